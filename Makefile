@@ -1,0 +1,24 @@
+# Two entry points, each bootstrapping its own virtualenv (.venv) on a fresh machine:
+#   make demo   run the main job (generation) on the embedded default model
+#   make test   run the test suite
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else "spec_jax needs Python >= 3.12; set PYTHON=python3.12")'
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+.PHONY: demo test clean
+demo: $(STAMP)
+	$(VENV)/bin/spec-jax generate --prompt "def fibonacci(n):" --prompt "The quick brown fox" --max-tokens 48
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

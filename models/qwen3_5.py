@@ -1,0 +1,548 @@
+"""Qwen3.5 / Qwen3.6 (and Qwen3-Next) GDN-hybrid language model in Flax NNX, dense and MoE.
+
+Layers alternate Gated DeltaNet (linear attention) and gated full attention in a repeating
+pattern (three GDN layers, then one attention layer, for every released size). The pattern's
+layers are stacked over its repeats and run under one `lax.scan`, so compile time does not
+grow with depth.
+
+The model is pure over explicit caches: `Qwen3_5Model.__call__` takes the caches and returns
+new ones (see `ModelCache`). Checkpoint name mapping lives in `spec_jax/checkpoint.py`; module
+attribute names mirror the HF tensor names so that mapping stays thin. Linear weights keep the
+checkpoint's [out, in] layout.
+
+Shapes: B batch rows, T new tokens, L cache length, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
+from pallas_kernels.gdn_recurrent import gdn_recurrent
+
+LINEAR, FULL = "linear_attention", "full_attention"
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3_5Config:
+    """The text model's config; field names are the checkpoint's `config.json` keys."""
+
+    model_type: str = "qwen3_5_text"
+    vocab_size: int = 248320
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    layer_types: tuple[str, ...] = ()
+    full_attention_interval: int = 4
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    mtp_num_hidden_layers: int = 0
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self):
+        if not self.layer_types:
+            n = self.full_attention_interval
+            kinds = tuple(FULL if (i + 1) % n == 0 else LINEAR for i in range(self.num_hidden_layers))
+            object.__setattr__(self, "layer_types", kinds)
+        bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
+        if bad:
+            raise ValueError(f"layer_types has unknown kind {bad[0]!r}; expected {LINEAR!r} or {FULL!r}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is {self.num_hidden_layers}"
+            )
+        if self.num_hidden_layers % len(self.pattern):
+            raise ValueError(f"layer_types {self.layer_types} is not a whole number of repeats of one pattern")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def pattern(self) -> tuple[str, ...]:
+        """The shortest layer-kind pattern whose repeats make up `layer_types`."""
+        n = len(self.layer_types)
+        for p in range(1, n + 1):
+            if n % p == 0 and self.layer_types == self.layer_types[:p] * (n // p):
+                return self.layer_types[:p]
+        return self.layer_types
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_hidden_layers // len(self.pattern)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> "Qwen3_5Config":
+        """Build from a checkpoint's `config.json` dict: VL-wrapped (`text_config`) or flat.
+
+        Raises ValueError naming the `model_type` when it is not a Qwen3.5/3.6/Next model.
+        """
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; spec_jax runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        text = dict(config.get("text_config") or config)
+        text.setdefault("model_type", model_type)
+        if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in rope:
+                text[key] = rope[key]
+        if rope.get("rope_type", "default") not in ("default", "mrope"):
+            raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default' RoPE is implemented")
+        if text.get("mlp_only_layers"):
+            raise ValueError(f"mlp_only_layers {text['mlp_only_layers']} is not supported (every layer must be MoE)")
+        eos = text.get("eos_token_id", config.get("eos_token_id"))
+        text["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        if text.get("layer_types") is not None:
+            text["layer_types"] = tuple(text["layer_types"])
+        if text.get("head_dim") is None:
+            text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in text.items() if k in names and v is not None})
+
+
+# ----------------------------------------------------------------------------- caches
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of one pattern position's attention layers: [G, B, L, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GDNCache:
+    """One pattern position's GDN layers: conv window [G, B, K-1, conv_dim] (pre-conv inputs,
+    oldest first) and recurrent state [G, B, nv, dk, dv] in float32."""
+
+    conv: jax.Array
+    state: jax.Array
+
+
+ModelCache = tuple  # one KVCache or GDNCache per pattern position, stacked over the G repeats
+
+
+def init_cache(cfg: Qwen3_5Config, batch: int, max_len: int, dtype) -> ModelCache:
+    """Empty caches for `batch` rows of up to `max_len` tokens."""
+    G = cfg.num_groups
+    out = []
+    for kind in cfg.pattern:
+        if kind == FULL:
+            shape = (G, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+            out.append(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+        else:
+            conv = jnp.zeros((G, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
+            state_shape = (G, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+            out.append(GDNCache(conv, jnp.zeros(state_shape, jnp.float32)))
+    return tuple(out)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    """Where the T new tokens of each row go.
+
+    start: [B] int32 position of the first new token (= tokens already in the caches).
+    n_valid: [B] int32 how many of the T tokens are real; the rest are padding, whose cache
+      writes land past the row's length (never read) and leave GDN state unchanged.
+    """
+
+    start: jax.Array
+    n_valid: jax.Array
+
+    def positions_for(self, T: int) -> jax.Array:
+        return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+    def valid_for(self, T: int) -> jax.Array:
+        return jnp.arange(T, dtype=jnp.int32)[None, :] < self.n_valid[:, None]
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def zeros_param(shape, dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+class Linear(nnx.Module):
+    """y = x W^T with W stored [out, in] as in the checkpoint (no bias anywhere in these models)."""
+
+    def __init__(self, d_in: int, d_out: int, *, stack=(), dtype=jnp.float32):
+        self.weight = zeros_param((*stack, d_out, d_in), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.weight[...]
+        return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in float32."""
+
+    def __init__(self, dim: int, eps: float, *, stack=()):
+        self.weight = zeros_param((*stack, dim), jnp.float32)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """GDN output norm: rmsnorm(o) * w * silu(z) per value head, plain weight (no 1 + w)."""
+
+    def __init__(self, dim: int, eps: float, *, stack=()):
+        self.weight = zeros_param((*stack, dim), jnp.float32)
+        self.eps = eps
+
+    def __call__(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
+        of = o.astype(jnp.float32)
+        n = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.eps)
+        return (n * self.weight[...] * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """NeoX rotate-half RoPE on the first `rotary_dim` dims of each head. x: [B, T, heads, d]."""
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    xr = x[..., :rotary_dim].astype(jnp.float32)
+    x1, x2 = xr[..., :half], xr[..., half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """Causal GQA attention of new queries over a cache.
+
+    q: [B, T, nq, d]; k, v: [B, S, nkv, d] (cache slots 0..S-1); q_pos: [B, T] positions.
+    Slot j is visible to a query at position p iff j <= p. Returns [B, T, nq, d].
+    """
+    B, T, nq, d = q.shape
+    nkv = k.shape[2]
+    qg = q.reshape(B, T, nkv, nq // nkv, d)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
+    return out.reshape(B, T, nq, d)
+
+
+class GatedAttention(nnx.Module):
+    """Full attention with a per-head sigmoid output gate, q/k norms and partial RoPE."""
+
+    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
+        H, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = Linear(H, cfg.num_attention_heads * d * 2, stack=stack, dtype=dtype)
+        self.k_proj = Linear(H, cfg.num_key_value_heads * d, stack=stack, dtype=dtype)
+        self.v_proj = Linear(H, cfg.num_key_value_heads * d, stack=stack, dtype=dtype)
+        self.o_proj = Linear(cfg.num_attention_heads * d, H, stack=stack, dtype=dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, stack=stack)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, stack=stack)
+
+    def __call__(self, x, batch: Batch, cache: KVCache, g, kv_len: int):
+        """x: [B, T, H]. Writes this layer's (repeat g) K/V for the new tokens into `cache`,
+        then attends over slots [0, kv_len). Returns ([B, T, H], cache)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        d = cfg.head_dim
+        qg = self.q_proj(x).reshape(B, T, cfg.num_attention_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:]  # per head: [query | gate]
+        k = self.k_proj(x).reshape(B, T, cfg.num_key_value_heads, d)
+        v = self.v_proj(x).reshape(B, T, cfg.num_key_value_heads, d)
+        pos = batch.positions_for(T)
+        q = apply_rope(self.q_norm(q), pos, cfg.rotary_dim, cfg.rope_theta)
+        k = apply_rope(self.k_norm(k), pos, cfg.rotary_dim, cfg.rope_theta)
+        rows = jnp.arange(B)[:, None]
+        # Padding tokens may point past the cache end: drop those writes.
+        cache = KVCache(
+            cache.k.at[g, rows, pos].set(k.astype(cache.k.dtype), mode="drop"),
+            cache.v.at[g, rows, pos].set(v.astype(cache.v.dtype), mode="drop"),
+        )
+        keys = jax.lax.dynamic_index_in_dim(cache.k, g, keepdims=False)[:, :kv_len]
+        values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
+        o = attend(q, keys, values, pos).reshape(B, T, -1)
+        o = o * jax.nn.sigmoid(gate.reshape(B, T, -1).astype(jnp.float32)).astype(o.dtype)
+        return self.o_proj(o), cache
+
+
+class GatedDeltaNet(nnx.Module):
+    """Gated DeltaNet linear attention: causal depthwise conv + SiLU, then the gated delta rule."""
+
+    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
+        H, nv = cfg.hidden_size, cfg.linear_num_value_heads
+        self.cfg = cfg
+        self.in_proj_qkv = Linear(H, cfg.conv_dim, stack=stack, dtype=dtype)
+        self.in_proj_z = Linear(H, cfg.value_dim, stack=stack, dtype=dtype)
+        self.in_proj_b = Linear(H, nv, stack=stack, dtype=dtype)
+        self.in_proj_a = Linear(H, nv, stack=stack, dtype=dtype)
+        self.conv1d = zeros_param((*stack, cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), dtype)
+        self.A_log = zeros_param((*stack, nv), jnp.float32)
+        self.dt_bias = zeros_param((*stack, nv), jnp.float32)
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, stack=stack)
+        self.out_proj = Linear(cfg.value_dim, H, stack=stack, dtype=dtype)
+
+    def __call__(self, x, batch: Batch, cache: GDNCache, g, kv_len: int):
+        """x: [B, T, H]; continues repeat g's conv window and state. Chunked when T >= 64,
+        token by token otherwise. Returns ([B, T, H], cache)."""
+        del kv_len
+        cfg = self.cfg
+        B, T, _ = x.shape
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        key_dim = nk * dk
+
+        mixed = self.in_proj_qkv(x)  # [B, T, conv_dim]
+        window = jax.lax.dynamic_index_in_dim(cache.conv, g, keepdims=False)
+        seq = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
+        w = self.conv1d[...][:, 0, :]  # [C, K]
+        u = sum(seq[:, s : s + T] * w[:, s] for s in range(K))
+        u = jax.nn.silu(u)
+        # The new window is the K-1 inputs that end at the row's last real token.
+        idx = batch.n_valid[:, None] + jnp.arange(K - 1)[None, :]
+        new_window = jnp.take_along_axis(seq, idx[:, :, None], axis=1)
+
+        q = u[..., :key_dim].reshape(B, T, nk, dk)
+        k = u[..., key_dim : 2 * key_dim].reshape(B, T, nk, dk)
+        v = u[..., 2 * key_dim :].reshape(B, T, nv, dv)
+        valid = batch.valid_for(T)[..., None]
+        beta = jnp.where(valid, jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32)), 0.0)
+        a = self.in_proj_a(x).astype(jnp.float32)
+        decay = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
+        decay = jnp.where(valid, decay, 0.0)
+
+        state = jax.lax.dynamic_index_in_dim(cache.state, g, keepdims=False)
+        rule = gdn_chunked if T >= CHUNK else gdn_recurrent
+        o, state = rule(q, k, v, decay, beta, state)
+        z = self.in_proj_z(x).reshape(B, T, nv, dv)
+        o = self.norm(o, z, x.dtype).reshape(B, T, nv * dv)
+        cache = GDNCache(
+            jax.lax.dynamic_update_index_in_dim(cache.conv, new_window.astype(cache.conv.dtype), g, 0),
+            jax.lax.dynamic_update_index_in_dim(cache.state, state, g, 0),
+        )
+        return self.out_proj(o), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inner: int, *, stack=(), dtype=jnp.float32):
+        self.gate_proj = Linear(hidden, inner, stack=stack, dtype=dtype)
+        self.up_proj = Linear(hidden, inner, stack=stack, dtype=dtype)
+        self.down_proj = Linear(inner, hidden, stack=stack, dtype=dtype)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nnx.Module):
+    """Routed experts, fused as in the checkpoint: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = zeros_param((*stack, E, 2 * I, H), dtype)
+        self.down_proj = zeros_param((*stack, E, H, I), dtype)
+
+    def __call__(self, x: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
+        """x: [N, H]; idx, weights: [N, k] chosen experts and their routing weights."""
+        N, k = idx.shape
+        if N * k <= 64:
+            # Decode-sized: gather just the chosen experts' weights.
+            gu = jnp.einsum("nh,nkoh->nko", x, self.gate_up_proj[...][idx])
+            inner = jax.nn.silu(gu[..., : gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2 :]
+            out = jnp.einsum("nki,nkhi->nkh", inner, self.down_proj[...][idx])
+            return jnp.einsum("nkh,nk->nh", out, weights.astype(out.dtype))
+        # Prefill-sized: sort (token, expert) pairs by expert and run grouped matmuls.
+        E = self.gate_up_proj.shape[0]
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat)
+        tokens = x[order // k]
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        gu = jax.lax.ragged_dot(tokens, jnp.swapaxes(self.gate_up_proj[...], 1, 2), sizes)
+        inner = jax.nn.silu(gu[:, : gu.shape[-1] // 2]) * gu[:, gu.shape[-1] // 2 :]
+        out = jax.lax.ragged_dot(inner, jnp.swapaxes(self.down_proj[...], 1, 2), sizes)
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        return jnp.zeros_like(x).at[order // k].add(out)
+
+
+class SparseMoE(nnx.Module):
+    """Softmax router over all experts, top-k renormalised, plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
+        H = cfg.hidden_size
+        self.cfg = cfg
+        self.gate = Linear(H, cfg.num_experts, stack=stack, dtype=dtype)
+        self.experts = Experts(cfg, stack=stack, dtype=dtype)
+        self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, stack=stack, dtype=dtype)
+        self.shared_expert_gate = Linear(H, 1, stack=stack, dtype=dtype)
+
+    def __call__(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, idx = jax.lax.top_k(probs, self.cfg.num_experts_per_tok)
+        if self.cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        routed = self.experts(x, idx, weights.astype(logits.dtype))
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return (routed + shared).reshape(shape)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + mixer(norm(x)), then + ffn(norm(x))."""
+
+    def __init__(self, cfg: Qwen3_5Config, kind: str, *, stack=(), dtype=jnp.float32):
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
+        if kind == FULL:
+            self.self_attn = GatedAttention(cfg, stack=stack, dtype=dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, stack=stack, dtype=dtype)
+        if cfg.is_moe:
+            self.mlp = SparseMoE(cfg, stack=stack, dtype=dtype)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, stack=stack, dtype=dtype)
+
+    def __call__(self, x, batch: Batch, cache, g, kv_len: int):
+        mixer = self.self_attn if self.kind == FULL else self.linear_attn
+        h, cache = mixer(self.input_layernorm(x), batch, cache, g, kv_len)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class MTPHead(nnx.Module):
+    """Multi-token prediction head: predicts token p+2 from the target's hidden state at p and
+    the embedding of token p+1, through one full-attention block with its own KV cache."""
+
+    def __init__(self, cfg: Qwen3_5Config, *, dtype=jnp.float32):
+        H = cfg.hidden_size
+        self.fc = Linear(2 * H, H, dtype=dtype)
+        self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nnx.List([DecoderLayer(cfg, FULL, stack=(1,), dtype=dtype)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def __call__(self, embedded_next, hidden, batch: Batch, cache: KVCache, kv_len: int):
+        """embedded_next: [B, T, H] embeddings of tokens p+1; hidden: [B, T, H] the target's
+        post-norm hidden at p; cache: [1, B, L, kv, d]. Returns the post-norm MTP hidden
+        [B, T, H] (feed it to the shared lm_head) and the cache."""
+        x = jnp.concatenate([self.pre_fc_norm_embedding(embedded_next), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        layer = self.layers[0]
+        gdef, params = nnx.split(layer)
+        layer = nnx.merge(gdef, jax.tree.map(lambda a: a[0], params))
+        x, cache = layer(self.fc(x), batch, cache, 0, kv_len)
+        return self.norm(x), cache
+
+
+def init_mtp_cache(cfg: Qwen3_5Config, batch: int, max_len: int, dtype) -> KVCache:
+    shape = (1, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+class Qwen3_5Model(nnx.Module):
+    """Embedding, the stacked decoder pattern, final norm, lm_head, and the MTP head if any."""
+
+    def __init__(self, cfg: Qwen3_5Config, *, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        G = (cfg.num_groups,)
+        self.embed_tokens = zeros_param((cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, kind, stack=G, dtype=dtype) for kind in cfg.pattern])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.mtp = MTPHead(cfg, dtype=dtype) if cfg.mtp_num_hidden_layers else None
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> [B, T, H]."""
+        return self.embed_tokens[...][tokens]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Post-norm hidden [..., H] -> float32 logits [..., V]."""
+        w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
+        return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int):
+        """Run T new tokens per row through the stack, continuing from `cache`.
+
+        tokens: [B, T] int32; batch: where they go (see `Batch`); kv_len: static number of
+        cache slots attention reads (the prompt bucket for prefill, the cache length after).
+        Returns (post-norm hidden [B, T, H], new cache).
+        """
+        gdef, stacked = nnx.split(self.layers)
+
+        def group(carry, xs):
+            x, cache = carry
+            g, params = xs
+            layers = nnx.merge(gdef, params)
+            cache = list(cache)
+            for p, layer in enumerate(layers):
+                with jax.named_scope(f"{layer.kind}_{p}"):
+                    x, cache[p] = layer(x, batch, cache[p], g, kv_len)
+            return (x, tuple(cache)), None
+
+        groups = (jnp.arange(self.cfg.num_groups), stacked)
+        (x, cache), _ = jax.lax.scan(group, (self.embed(tokens), cache), groups)
+        return self.norm(x), cache

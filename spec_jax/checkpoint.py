@@ -1,0 +1,293 @@
+"""Loading HF safetensors checkpoints of Qwen3.5 / Qwen3.6 / Qwen3-Next into the NNX model.
+
+Handles every released layout: one file or shards with `model.safetensors.index.json`;
+VL-wrapped (`model.language_model.*`, vision tensors ignored), text-only (`model.*`) and MLX
+(`language_model.model.*`) prefixes; Qwen3-Next's fused, key-head-grouped `in_proj_qkvz` /
+`in_proj_ba`; routed experts fused (`experts.gate_up_proj`) or one tensor per expert; `mtp.*`
+kept. All name mapping lives here, so the model's math never sees a checkpoint quirk.
+
+Files are opened memory-mapped; tensors are read one parameter at a time, cast, stacked over
+the layer pattern's repeats and put on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
+
+PROGRESS_BAR_BYTES = 256 << 20  # show a progress bar for checkpoints larger than this
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+IGNORED_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file, tensor or key."""
+
+
+def resolve_dtype(dtype: str | Any) -> Any:
+    """'float32' | 'bfloat16' (or the jnp dtype itself) -> jnp dtype; anything else is refused."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_config(model_dir: str | os.PathLike) -> Qwen3_5Config:
+    """Read `config.json` (and `generation_config.json`'s EOS ids, if present)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {str(model_dir)!r} does not exist")
+    raw = read_json(model_dir / "config.json")
+    try:
+        cfg = Qwen3_5Config.from_hf(raw)
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{model_dir / 'config.json'} is missing or has a malformed key: {e}") from None
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        eos = read_json(gen_path).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        merged = tuple(dict.fromkeys([*cfg.eos_token_id, *extra]))
+        cfg = Qwen3_5Config(**{**cfg.__dict__, "eos_token_id": merged})
+    return cfg
+
+
+# ----------------------------------------------------------------------------- tensor source
+
+
+def canonical_name(name: str) -> str | None:
+    """Checkpoint tensor name -> text-only HF name (`model.*`, `lm_head.*`, `mtp.*`), or None
+    for tensors the text model does not use (the vision tower)."""
+    if name.startswith(IGNORED_PREFIXES):
+        return None
+    for prefix in ("model.language_model.", "language_model.model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix) :]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model.") :]
+    return name
+
+
+class TensorSource:
+    """Every tensor of a safetensors checkpoint, by canonical name, read lazily (memory-mapped)."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no 'weight_map'")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"no *.safetensors files in {model_dir}")
+        self.files = {}
+        self.location: dict[str, tuple[str, str]] = {}  # canonical -> (file, stored name)
+        for fname in files:
+            path = model_dir / fname
+            if not path.exists():
+                raise CheckpointError(f"shard {fname} listed in {index.name} is missing from {model_dir}")
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"cannot read {path}: {e} (truncated or not a safetensors file?)") from None
+            self.files[fname] = handle
+            for stored in handle.keys():
+                canon = canonical_name(stored)
+                if canon is not None:
+                    self.location[canon] = (fname, stored)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.location
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        fname, stored = self.location[name]
+        return tuple(self.files[fname].get_slice(stored).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.location:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        fname, stored = self.location[name]
+        try:
+            return self.files[fname].get_tensor(stored)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read tensor {stored!r} from {fname}: {e}") from None
+
+    def names(self) -> list[str]:
+        return list(self.location)
+
+
+# ----------------------------------------------------------------------------- name mapping
+
+# Module attributes that are bare parameters in the NNX model but `<name>.weight` in HF.
+WEIGHT_SUFFIXED = {"embed_tokens", "conv1d"}
+
+
+def hf_name(path: tuple, layer: int | None) -> str:
+    """Our parameter path (pure-dict keys) -> the HF text-only tensor name.
+
+    ('layers', p, 'linear_attn', 'A_log') with layer i -> 'model.layers.{i}.linear_attn.A_log';
+    ('mtp', 'layers', 0, 'mlp', 'gate_proj', 'weight') -> 'mtp.layers.0.mlp.gate_proj.weight'.
+    """
+    parts = [str(p) for p in path]
+    if parts[-1] in WEIGHT_SUFFIXED:
+        parts.append("weight")
+    if parts[0] == "mtp":
+        return ".".join(parts)
+    if parts[0] == "layers":
+        parts[1] = str(layer)
+    if parts[0] == "lm_head":
+        return ".".join(parts)
+    return "model." + ".".join(parts)
+
+
+def experts_from_per_expert(src: TensorSource, name: str, num_experts: int) -> np.ndarray:
+    """Rebuild a fused expert tensor from one-tensor-per-expert names.
+
+    `...experts.gate_up_proj` -> [E, 2I, H] from `experts.{e}.gate_proj/up_proj.weight`;
+    `...experts.down_proj` -> [E, H, I] from `experts.{e}.down_proj.weight`.
+    """
+    base, kind = name.rsplit(".", 1)
+    if kind == "gate_up_proj":
+        parts = [np.concatenate([src.get(f"{base}.{e}.gate_proj.weight"), src.get(f"{base}.{e}.up_proj.weight")])
+                 for e in range(num_experts)]
+    else:
+        parts = [src.get(f"{base}.{e}.down_proj.weight") for e in range(num_experts)]
+    return np.stack(parts)
+
+
+def unfuse_qwen3_next(src: TensorSource, name: str, cfg: Qwen3_5Config) -> np.ndarray:
+    """Qwen3-Next's key-head-grouped `in_proj_qkvz` / `in_proj_ba` -> Qwen3.5's split tensors.
+
+    Per key head g, qkvz rows are [q_g | k_g | v_g (r heads) | z_g (r heads)] and ba rows are
+    [b_g (r) | a_g (r)]; value head g*r + j belongs to key head g.
+    """
+    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // nk
+    base, proj, _ = name.rsplit(".", 2)
+    if proj in ("in_proj_qkv", "in_proj_z"):
+        w = src.get(f"{base}.in_proj_qkvz.weight")
+        w = w.reshape(nk, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = np.split(w, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+        if proj == "in_proj_z":
+            return z.reshape(nk * r * dv, -1)
+        return np.concatenate([q.reshape(nk * dk, -1), k.reshape(nk * dk, -1), v.reshape(nk * r * dv, -1)])
+    w = src.get(f"{base}.in_proj_ba.weight").reshape(nk, 2 * r, -1)
+    b, a = w[:, :r], w[:, r:]
+    return (b if proj == "in_proj_b" else a).reshape(nk * r, -1)
+
+
+def read_tensor(src: TensorSource, name: str, cfg: Qwen3_5Config) -> np.ndarray:
+    """One HF tensor by text-only name, rebuilt from the alternative layouts when needed."""
+    if name in src:
+        return src.get(name)
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and f"{name.rsplit('.', 1)[0]}.0.down_proj.weight" in src:
+        return experts_from_per_expert(src, name, cfg.num_experts)
+    proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+    if proj in ("in_proj_qkv", "in_proj_z") and name.replace(proj, "in_proj_qkvz") in src:
+        return unfuse_qwen3_next(src, name, cfg)
+    if proj in ("in_proj_b", "in_proj_a") and name.replace(proj, "in_proj_ba") in src:
+        return unfuse_qwen3_next(src, name, cfg)
+    raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def abstract_model(cfg: Qwen3_5Config, dtype) -> Qwen3_5Model:
+    return nnx.eval_shape(lambda: Qwen3_5Model(cfg, dtype=dtype))
+
+
+def is_stacked(path: tuple) -> bool:
+    """Stacked parameters carry a leading repeat axis: the decoder pattern's and the MTP layer's."""
+    return path[0] == "layers" or path[:2] == ("mtp", "layers")
+
+
+def param_sources(path: tuple, cfg: Qwen3_5Config) -> list[str]:
+    """HF names that make up one parameter of ours, in stacking order."""
+    if path[0] == "layers":
+        P = len(cfg.pattern)
+        return [hf_name(path, g * P + path[1]) for g in range(cfg.num_groups)]
+    return [hf_name(path, None)]
+
+
+def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, progress: bool | None = None):
+    """Load a checkpoint into an NNX model.
+
+    Args:
+      model_dir: the checkpoint directory.
+      cfg: its config (see `load_config`).
+      dtype: compute dtype of the weights (norm weights, A_log and dt_bias stay float32).
+      progress: show a progress bar (default: when the checkpoint exceeds 256 MiB).
+    Returns:
+      The `Qwen3_5Model` with every parameter on the device.
+    Raises:
+      CheckpointError naming the first missing tensor or wrong shape.
+    """
+    src = TensorSource(model_dir)
+    if cfg.mtp_num_hidden_layers and "mtp.fc.weight" not in src:
+        # A checkpoint exported without its MTP head still runs; speculation with mtp refuses it.
+        cfg = Qwen3_5Config(**{**cfg.__dict__, "mtp_num_hidden_layers": 0})
+    model = abstract_model(cfg, dtype)
+    graphdef, state = nnx.split(model)
+    pure = nnx.to_pure_dict(state)
+    leaves = jax.tree_util.tree_flatten_with_path(pure)[0]
+    total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for _, x in leaves)
+    show = progress if progress is not None else total > PROGRESS_BAR_BYTES
+    loaded = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show) as bar:
+        for keypath, want in leaves:
+            path = tuple(k.key for k in keypath)
+            names = param_sources(path, cfg)
+            stacked = is_stacked(path)
+            expected = tuple(want.shape[1:] if stacked else want.shape)
+            parts = []
+            for name in names:
+                arr = read_tensor(src, name, cfg)
+                if tuple(arr.shape) != expected:
+                    raise CheckpointError(
+                        f"tensor {name!r} has shape {tuple(arr.shape)}, expected {expected} from config.json"
+                    )
+                parts.append(np.asarray(arr).astype(want.dtype))
+            value = np.stack(parts) if stacked else parts[0]
+            set_path(loaded, path, jax.device_put(value))
+            bar.update(value.nbytes)
+    nnx.replace_by_pure_dict(state, loaded)
+    return nnx.merge(graphdef, state), cfg
+
+
+def set_path(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def load_model(model_dir: str | os.PathLike, dtype="float32", *, progress: bool | None = None):
+    """Config + weights: returns (Qwen3_5Model, Qwen3_5Config)."""
+    cfg = load_config(model_dir)
+    return load_params(model_dir, cfg, resolve_dtype(dtype), progress=progress)

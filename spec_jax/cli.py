@@ -1,0 +1,90 @@
+"""`spec-jax` command line. Flags are spelled like vLLM's.
+
+    spec-jax generate --model DIR --prompt "def fib(n):" --max-tokens 64
+    spec-jax generate --prompt-token-ids 1,2,3 --temperature 0.8 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (HF safetensors); default: the embedded default model")
+    p.add_argument("--dtype", default="auto", help="bfloat16, float32 or auto (bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="batch rows per step")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spec-jax", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one or more prompts")
+    add_model_args(gen)
+    gen.add_argument("--prompt", action="append", default=None, help="prompt text (repeat for a batch)")
+    gen.add_argument("--prompt-token-ids", action="append", default=None,
+                     help="comma-separated token ids, instead of text (repeat for a batch)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--stop-token-ids", default=None, help="comma-separated extra stop token ids")
+    gen.add_argument("--ignore-eos", action="store_true")
+    return parser
+
+
+def parse_ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"error: {flag} {text!r} is not a comma-separated list of integers") from None
+
+
+def generate(args) -> None:
+    from spec_jax.llm import LLM, SamplingParams
+
+    if not args.prompt and not args.prompt_token_ids:
+        raise SystemExit("error: give --prompt TEXT or --prompt-token-ids IDS")
+    if args.prompt and args.prompt_token_ids:
+        raise SystemExit("error: give --prompt or --prompt-token-ids, not both")
+    if args.model is None:
+        print("NOTE: no --model given: using the embedded default model. Its weights are RANDOM, "
+              "so its text is noise; pass --model DIR for a real checkpoint.", file=sys.stderr)
+    stop = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, stop_token_ids=stop, ignore_eos=args.ignore_eos)
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, seed=args.seed)
+    print(f"loaded {llm.model_path} ({llm.cfg.model_type}, {llm.cfg.num_hidden_layers} layers) "
+          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if args.prompt:
+        outs = llm.generate(args.prompt, params)
+    else:
+        ids = [parse_ids(x, "--prompt-token-ids") for x in args.prompt_token_ids]
+        outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    for out in outs:
+        c = out.outputs[0]
+        m = out.metrics
+        print(f"--- prompt: {out.prompt!r}" if out.prompt is not None else f"--- prompt ids: {out.prompt_token_ids}")
+        print(c.text if llm.tokenizer else c.token_ids)
+        print(f"[{m['num_generated_tokens']} tokens, finish={c.finish_reason}, {m['tokens_per_s']:.1f} tok/s "
+              f"including compilation on first use]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": generate}[args.command](args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Write a random-weight checkpoint in the released HF layout, for any `Qwen3_5Config`.
+
+Tensor names come from the loader's own mapping (`checkpoint.param_sources`), so what this
+writes is exactly what the loader reads. Every parameter is random — norm weights too, so a
+missing `1 + w` cannot hide — at scales that keep activations O(1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from models.qwen3_5 import Qwen3_5Config
+from spec_jax.checkpoint import abstract_model, is_stacked, param_sources
+
+NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def random_value(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A random tensor whose distribution suits the parameter `name`."""
+    if name.endswith("linear_attn.norm.weight"):
+        return rng.uniform(0.5, 1.5, shape)  # plain-weight gated norm, centred on 1
+    if name.endswith("norm.weight") or "norm_" in name:
+        return rng.normal(0.0, 0.3, shape)  # zero-centred norms: the model multiplies by 1 + w
+    if name.endswith("A_log"):
+        return rng.uniform(-1.0, 1.0, shape)
+    if name.endswith("dt_bias"):
+        return rng.normal(0.0, 0.5, shape)
+    if name.endswith("conv1d.weight"):
+        return rng.normal(0.0, 0.5, shape)
+    if name.endswith("embed_tokens.weight"):
+        return rng.normal(0.0, 1.0, shape)
+    return rng.normal(0.0, shape[-1] ** -0.5, shape)  # [.., out, in]: std 1/sqrt(fan_in)
+
+
+def hf_config(cfg: Qwen3_5Config, *, vl_wrapped: bool) -> dict:
+    """The `config.json` a released checkpoint of this geometry carries."""
+    text = {
+        "model_type": "qwen3_5_moe_text" if cfg.is_moe else "qwen3_5_text",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "layer_types": list(cfg.layer_types),
+        "full_attention_interval": cfg.full_attention_interval,
+        "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim, "hidden_act": "silu", "attn_output_gate": True,
+        "mtp_num_hidden_layers": cfg.mtp_num_hidden_layers, "mamba_ssm_dtype": "float32",
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.partial_rotary_factor,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        "eos_token_id": list(cfg.eos_token_id) if len(cfg.eos_token_id) != 1 else cfg.eos_token_id[0],
+    }
+    if cfg.is_moe:
+        text.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                    moe_intermediate_size=cfg.moe_intermediate_size,
+                    shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
+    if not vl_wrapped:
+        arch = "Qwen3_5MoeForCausalLM" if cfg.is_moe else "Qwen3_5ForCausalLM"
+        return {"architectures": [arch], **text}
+    arch = "Qwen3_5MoeForConditionalGeneration" if cfg.is_moe else "Qwen3_5ForConditionalGeneration"
+    return {"architectures": [arch], "model_type": "qwen3_5_moe" if cfg.is_moe else "qwen3_5",
+            "text_config": text, "tie_word_embeddings": cfg.tie_word_embeddings,
+            "vision_config": {"model_type": "qwen3_5_moe_vision" if cfg.is_moe else "qwen3_5_vision"}}
+
+
+def random_tensors(cfg: Qwen3_5Config, seed: int = 0) -> dict[str, np.ndarray]:
+    """Every tensor of the text model and its MTP head, by text-only HF name, float32."""
+    rng = np.random.default_rng(seed)
+    _, state = nnx.split(abstract_model(cfg, np.float32))
+    out = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
+        path = tuple(k.key for k in keypath)
+        shape = tuple(leaf.shape[1:] if is_stacked(path) else leaf.shape)
+        for name in param_sources(path, cfg):
+            out[name] = random_value(name, shape, rng).astype(np.float32)
+    return out
+
+
+def write_checkpoint(out_dir: str | Path, cfg: Qwen3_5Config, *, seed: int = 0, dtype: str = "float32",
+                     vl_wrapped: bool = True) -> Path:
+    """Write config.json and model.safetensors for a random model of geometry `cfg`.
+
+    vl_wrapped: name the language model `model.language_model.*` as released Qwen3.5/3.6 do
+    (else text-only `model.*`). `mtp.*` is written when cfg.mtp_num_hidden_layers > 0.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = random_tensors(cfg, seed)
+    if vl_wrapped:
+        tensors = {("model.language_model." + n[len("model."):]) if n.startswith("model.") else n: v
+                   for n, v in tensors.items()}
+    np_dtype = NUMPY_DTYPES[dtype]
+    save_file({n: v.astype(np_dtype) for n, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, vl_wrapped=vl_wrapped), indent=2))
+    return out_dir
+
