@@ -132,8 +132,8 @@ class Qwen3_5Config:
             )
         text = dict(config.get("text_config") or config)
         text.setdefault("model_type", model_type)
-        if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
-            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        if "text_config" in config and "tie_word_embeddings" in config:
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]  # VL wrappers tie by the top-level flag
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         for key in ("rope_theta", "partial_rotary_factor"):
             if key in rope:

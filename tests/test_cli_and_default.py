@@ -1,0 +1,37 @@
+"""The CLI and the embedded default model, as a new user meets them."""
+
+import numpy as np
+
+from conftest import HF_FIXTURES
+from spec_jax import LLM, SamplingParams
+from spec_jax.cli import main
+
+
+def test_generate_command_with_token_ids(capsys):
+    ref = np.load(HF_FIXTURES / "dense_vl" / "reference.npz")
+    ids = ",".join(map(str, ref["prompt_ids"].tolist()))
+    rc = main(["generate", "--model", str(HF_FIXTURES / "dense_vl"), "--dtype", "float32",
+               "--prompt-token-ids", ids, "--max-tokens", "8", "--max-model-len", "64", "--ignore-eos"])
+    assert rc == 0
+    assert str(ref["greedy_ids"][:8].tolist()) in capsys.readouterr().out
+
+
+def test_generate_command_reports_bad_input(capsys):
+    rc = main(["generate", "--model", str(HF_FIXTURES / "dense_vl"), "--prompt-token-ids", "1,2",
+               "--max-tokens", "0"])
+    assert rc == 2
+    assert "max_tokens=0" in capsys.readouterr().err
+
+
+def test_default_model_builds_and_generates_text(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPEC_JAX_HOME", str(tmp_path))
+    llm = LLM(dtype="float32", max_model_len=128, max_num_seqs=2)
+    assert (tmp_path / "default-random-v1" / "tokenizer.json").exists()
+    assert llm.cfg.mtp_num_hidden_layers == 1 and llm.model.mtp is not None
+    out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+    assert llm.tokenizer.decode(llm.tokenizer.encode("def fibonacci(n):")) == "def fibonacci(n):"
+    rc = main(["generate", "--prompt", "import os", "--max-tokens", "4", "--max-model-len", "128"])
+    assert rc == 0
+    assert "RANDOM" in capsys.readouterr().err

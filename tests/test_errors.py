@@ -1,0 +1,109 @@
+"""Bad input is refused with an error that names the value."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from spec_jax import LLM, SamplingParams
+from spec_jax.checkpoint import CheckpointError, load_model
+
+
+def test_prompt_longer_than_max_model_len(tiny_llm):
+    with pytest.raises(ValueError, match=r"has 256 tokens but max_model_len is 256"):
+        tiny_llm.generate(prompt_token_ids=[[1] * 256])
+
+
+def test_empty_prompt(tiny_llm):
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llm.generate(prompt_token_ids=[[]])
+
+
+def test_token_id_outside_vocabulary(tiny_llm):
+    with pytest.raises(ValueError, match=r"token id 512 outside the vocabulary \[0, 512\)"):
+        tiny_llm.generate(prompt_token_ids=[[1, 512]])
+    with pytest.raises(ValueError, match="token id -1"):
+        tiny_llm.logits([-1, 2])
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_max_tokens_must_be_positive(bad):
+    with pytest.raises(ValueError, match=f"max_tokens={bad}"):
+        SamplingParams(max_tokens=bad)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                                          ({"top_k": -2}, "top_k"), ({"n": 2}, "n=2")])
+def test_bad_sampling_params(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_dtype(tiny_dir):
+    with pytest.raises(ValueError, match="unknown dtype 'float16'; expected one of float32, bfloat16"):
+        LLM(model=str(tiny_dir), dtype="float16")
+
+
+def test_text_prompt_without_tokenizer(tiny_llm):
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        tiny_llm.generate(["hello"])
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_tensor_is_named(tiny_dir, tmp_path):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    tensors = load_file(str(d / "model.safetensors"))
+    del tensors["model.language_model.layers.5.linear_attn.dt_bias"]
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.5.linear_attn.dt_bias'"):
+        load_model(d)
+
+
+def test_wrong_shape_is_named(tiny_dir, tmp_path):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.language_model.layers.3.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'model.layers.3.self_attn.k_proj.weight' has shape \(8, 64\), "
+                                              r"expected \(64, 64\)"):
+        load_model(d)
+
+
+def test_unsupported_model_type(tiny_dir, tmp_path):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        load_model(d)
+
+
+def test_malformed_config_json(tiny_dir, tmp_path):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
+        load_model(d)
+
+
+def test_truncated_safetensors(tiny_dir, tmp_path):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(d)
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_speculative_config_refused_for_now(tiny_dir):
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(model=str(tiny_dir), speculative_config={"method": "ngram"})
