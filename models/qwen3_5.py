@@ -176,6 +176,27 @@ class GDNCache:
 
 ModelCache = tuple  # one KVCache or GDNCache per pattern position, stacked over the G repeats
 
+ROLLBACKS = ("checkpoint", "replay")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GDNPending:
+    """What a GDN layer keeps from a verify pass so the caller can commit any prefix of it.
+
+    seq: [B, K-1+T, conv_dim] the old conv window followed by the T new conv inputs.
+    "checkpoint" rollback keeps states [B, T, nv, dk, dv], the state after every token;
+    "replay" keeps the delta-rule inputs k [B, T, nk, dk], v [B, T, nv, dv], decay and beta
+    [B, T, nv], and re-runs the accepted prefix from the committed state at commit time.
+    """
+
+    seq: jax.Array
+    states: jax.Array | None = None
+    k: jax.Array | None = None
+    v: jax.Array | None = None
+    decay: jax.Array | None = None
+    beta: jax.Array | None = None
+
 
 def init_cache(cfg: Qwen3_5Config, batch: int, max_len: int, dtype) -> ModelCache:
     """Empty caches for `batch` rows of up to `max_len` tokens."""
@@ -298,9 +319,11 @@ class GatedAttention(nnx.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, stack=stack)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, stack=stack)
 
-    def __call__(self, x, batch: Batch, cache: KVCache, g, kv_len: int):
+    def __call__(self, x, batch: Batch, cache: KVCache, g, kv_len: int, rollback=None):
         """x: [B, T, H]. Writes this layer's (repeat g) K/V for the new tokens into `cache`,
-        then attends over slots [0, kv_len). Returns ([B, T, H], cache)."""
+        then attends over slots [0, kv_len). Returns ([B, T, H], cache, None): attention needs
+        no rollback, since a row's length decides which slots are read."""
+        del rollback
         cfg = self.cfg
         B, T, _ = x.shape
         d = cfg.head_dim
@@ -321,7 +344,7 @@ class GatedAttention(nnx.Module):
         values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
         o = attend(q, keys, values, pos).reshape(B, T, -1)
         o = o * jax.nn.sigmoid(gate.reshape(B, T, -1).astype(jnp.float32)).astype(o.dtype)
-        return self.o_proj(o), cache
+        return self.o_proj(o), cache, None
 
 
 class GatedDeltaNet(nnx.Module):
@@ -340,9 +363,14 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, stack=stack)
         self.out_proj = Linear(cfg.value_dim, H, stack=stack, dtype=dtype)
 
-    def __call__(self, x, batch: Batch, cache: GDNCache, g, kv_len: int):
+    def __call__(self, x, batch: Batch, cache: GDNCache, g, kv_len: int, rollback=None):
         """x: [B, T, H]; continues repeat g's conv window and state. Chunked when T >= 64,
-        token by token otherwise. Returns ([B, T, H], cache)."""
+        token by token otherwise.
+
+        Returns ([B, T, H], cache, pending). With rollback=None the cache advances by each row's
+        n_valid tokens and pending is None. With rollback "checkpoint" or "replay" (a verify
+        pass) the cache is left as it was and `GDNPending` says how to commit any prefix.
+        """
         del kv_len
         cfg = self.cfg
         B, T, _ = x.shape
@@ -354,12 +382,7 @@ class GatedDeltaNet(nnx.Module):
         window = jax.lax.dynamic_index_in_dim(cache.conv, g, keepdims=False)
         seq = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
         w = self.conv1d[...][:, 0, :]  # [C, K]
-        u = sum(seq[:, s : s + T] * w[:, s] for s in range(K))
-        u = jax.nn.silu(u)
-        # The new window is the K-1 inputs that end at the row's last real token.
-        idx = batch.n_valid[:, None] + jnp.arange(K - 1)[None, :]
-        new_window = jnp.take_along_axis(seq, idx[:, :, None], axis=1)
-
+        u = jax.nn.silu(sum(seq[:, s : s + T] * w[:, s] for s in range(K)))
         q = u[..., :key_dim].reshape(B, T, nk, dk)
         k = u[..., key_dim : 2 * key_dim].reshape(B, T, nk, dk)
         v = u[..., 2 * key_dim :].reshape(B, T, nv, dv)
@@ -368,17 +391,53 @@ class GatedDeltaNet(nnx.Module):
         a = self.in_proj_a(x).astype(jnp.float32)
         decay = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
         decay = jnp.where(valid, decay, 0.0)
-
         state = jax.lax.dynamic_index_in_dim(cache.state, g, keepdims=False)
-        rule = gdn_chunked if T >= CHUNK else gdn_recurrent
-        o, state = rule(q, k, v, decay, beta, state)
+
+        pending = None
+        if rollback == "checkpoint":
+            o, _, states = gdn_recurrent(q, k, v, decay, beta, state, keep_states=True)
+            pending = GDNPending(seq, states=states)
+        elif rollback == "replay":
+            o, _ = gdn_recurrent(q, k, v, decay, beta, state)
+            pending = GDNPending(seq, k=k, v=v, decay=decay, beta=beta)
+        else:
+            rule = gdn_chunked if T >= CHUNK else gdn_recurrent
+            o, state = rule(q, k, v, decay, beta, state)
+            cache = GDNCache(
+                jax.lax.dynamic_update_index_in_dim(cache.conv, conv_window(seq, batch.n_valid, K), g, 0),
+                jax.lax.dynamic_update_index_in_dim(cache.state, state, g, 0),
+            )
         z = self.in_proj_z(x).reshape(B, T, nv, dv)
         o = self.norm(o, z, x.dtype).reshape(B, T, nv * dv)
-        cache = GDNCache(
-            jax.lax.dynamic_update_index_in_dim(cache.conv, new_window.astype(cache.conv.dtype), g, 0),
-            jax.lax.dynamic_update_index_in_dim(cache.state, state, g, 0),
-        )
-        return self.out_proj(o), cache
+        return self.out_proj(o), cache, pending
+
+
+def conv_window(seq: jax.Array, n_used: jax.Array, K: int) -> jax.Array:
+    """The K-1 conv inputs ending at each row's last used token: seq [B, K-1+T, C], n_used [B]
+    -> [B, K-1, C]."""
+    idx = n_used[:, None] + jnp.arange(K - 1)[None, :]
+    return jnp.take_along_axis(seq, idx[:, :, None], axis=1)
+
+
+def commit_gdn(cache: GDNCache, pending: GDNPending, n_used: jax.Array, K: int) -> GDNCache:
+    """Keep the first n_used [B] tokens of a verify pass, for every repeat g at once.
+
+    The delta rule cannot be run backwards, so this selects the kept per-token state
+    ("checkpoint") or re-runs the kept prefix from the committed state ("replay").
+    """
+    G, B, T = pending.seq.shape[0], pending.seq.shape[1], pending.seq.shape[2] - (K - 1)
+    window = jax.vmap(conv_window, in_axes=(0, None, None))(pending.seq, n_used, K)
+    if pending.states is not None:
+        idx = jnp.broadcast_to((n_used - 1)[None, :, None, None, None, None], (G, B, 1, *pending.states.shape[3:]))
+        state = jnp.take_along_axis(pending.states, idx, axis=2)[:, :, 0]
+    else:
+        flat = lambda x: x.reshape(G * B, *x.shape[2:])
+        keep = (jnp.arange(T)[None, :] < n_used[:, None])[None, :, :, None]  # [1, B, T, 1]
+        decay, beta = jnp.where(keep, pending.decay, 0.0), jnp.where(keep, pending.beta, 0.0)
+        k = flat(pending.k)
+        _, state = gdn_recurrent(k, k, flat(pending.v), flat(decay), flat(beta), flat(cache.state))
+        state = state.reshape(cache.state.shape)
+    return GDNCache(window.astype(cache.conv.dtype), state)
 
 
 class MLP(nnx.Module):
@@ -463,11 +522,11 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, stack=stack, dtype=dtype)
 
-    def __call__(self, x, batch: Batch, cache, g, kv_len: int):
+    def __call__(self, x, batch: Batch, cache, g, kv_len: int, rollback=None):
         mixer = self.self_attn if self.kind == FULL else self.linear_attn
-        h, cache = mixer(self.input_layernorm(x), batch, cache, g, kv_len)
+        h, cache, pending = mixer(self.input_layernorm(x), batch, cache, g, kv_len, rollback)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x)), cache, pending
 
 
 # ----------------------------------------------------------------------------- model
@@ -493,7 +552,7 @@ class MTPHead(nnx.Module):
         layer = self.layers[0]
         gdef, params = nnx.split(layer)
         layer = nnx.merge(gdef, jax.tree.map(lambda a: a[0], params))
-        x, cache = layer(self.fc(x), batch, cache, 0, kv_len)
+        x, cache, _ = layer(self.fc(x), batch, cache, 0, kv_len)
         return self.norm(x), cache
 
 
@@ -524,12 +583,15 @@ class Qwen3_5Model(nnx.Module):
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
         return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int):
+    def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int, rollback=None):
         """Run T new tokens per row through the stack, continuing from `cache`.
 
         tokens: [B, T] int32; batch: where they go (see `Batch`); kv_len: static number of
         cache slots attention reads (the prompt bucket for prefill, the cache length after).
-        Returns (post-norm hidden [B, T, H], new cache).
+        rollback: None advances every cache by n_valid tokens. "checkpoint" or "replay" makes
+          this a verify pass: attention K/V are written, GDN caches are left as they were, and
+          the pending per-layer data is returned for `commit`.
+        Returns (post-norm hidden [B, T, H], new cache), plus the pending data when verifying.
         """
         gdef, stacked = nnx.split(self.layers)
 
@@ -537,12 +599,22 @@ class Qwen3_5Model(nnx.Module):
             x, cache = carry
             g, params = xs
             layers = nnx.merge(gdef, params)
-            cache = list(cache)
+            cache, pending = list(cache), []
             for p, layer in enumerate(layers):
                 with jax.named_scope(f"{layer.kind}_{p}"):
-                    x, cache[p] = layer(x, batch, cache[p], g, kv_len)
-            return (x, tuple(cache)), None
+                    x, cache[p], pend = layer(x, batch, cache[p], g, kv_len, rollback)
+                pending.append(pend)
+            return (x, tuple(cache)), tuple(pending)
 
         groups = (jnp.arange(self.cfg.num_groups), stacked)
-        (x, cache), _ = jax.lax.scan(group, (self.embed(tokens), cache), groups)
-        return self.norm(x), cache
+        (x, cache), pending = jax.lax.scan(group, (self.embed(tokens), cache), groups)
+        if rollback is None:
+            return self.norm(x), cache
+        return self.norm(x), cache, pending
+
+    def commit(self, cache: ModelCache, pending: tuple, n_used: jax.Array) -> ModelCache:
+        """After a verify pass, keep its first n_used [B] tokens (1..T) in every cache.
+
+        Attention caches already hold all T tokens; their rows' lengths decide what is read."""
+        K = self.cfg.linear_conv_kernel_dim
+        return tuple(c if p is None else commit_gdn(c, p, n_used, K) for c, p in zip(cache, pending))

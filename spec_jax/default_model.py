@@ -26,7 +26,7 @@ DEFAULT_CONFIG = Qwen3_5Config(
     vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
     num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
     linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
-    max_position_embeddings=8192, tie_word_embeddings=True, mtp_num_hidden_layers=1,
+    max_position_embeddings=8192, tie_word_embeddings=False, mtp_num_hidden_layers=1,
     eos_token_id=(0,),
 )
 

@@ -1,0 +1,295 @@
+"""The speculative-decoding config: vLLM's `--speculative-config` JSON, checked and resolved.
+
+`parse_speculative_config` takes what a user gives (None, a dict or a JSON string) and returns a
+frozen `SpeculativeConfig` whose `method` is canonical, or None for "no speculation". It knows
+every method string and every field of vLLM's `SpeculativeConfig`, so a vLLM command line works
+unchanged: fields we act on are validated, fields we do not act on are type-checked and, when set
+to a non-default value, named in a warning; unknown fields are named in a warning too. Methods
+vLLM has but we have not built yet are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import typing
+import warnings
+from typing import Any
+
+VLLM_METHODS = ("ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle", "eagle3",
+                "extract_hidden_states", "mtp", "dflash", "ngram_gpu", "dspark")
+OUR_METHODS = ("oracle",)  # benchmarks only: see SpeculativeConfig.oracle_corruption_rate
+MTP_ALIASES = ("deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
+               "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp", "exaone4_5_mtp", "qwen3_next_mtp",
+               "qwen4_exp_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "bailing_hybrid_v3_mtp", "minimax_m3_mtp",
+               "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp",
+               "gemma4_mtp", "inkling_mtp", "glm5_next_mtp")  # all fold into "mtp"
+METHOD_ALIASES = {**{a: "mtp" for a in MTP_ALIASES}, "[ngram]": "ngram"}
+IMPLEMENTED_METHODS = ("ngram", "mtp", "oracle")
+
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
+IMPLEMENTED_REJECTION_SAMPLE_METHODS = ("standard",)
+MTP_N_PREDICT = 1  # Qwen3.5 / 3.6 / Qwen3-Next ship one MTP layer: k defaults to it
+# The MTP alias vLLM derives from each target model_type we load.
+TARGET_MTP_ALIAS = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_moe": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp",
+                    "qwen3_5_moe_text": "qwen3_5_mtp", "qwen3_next": "qwen3_next_mtp"}
+# vLLM fields the engine fills in itself; a user-given value is ignored.
+VLLM_ENGINE_FIELDS = ("target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config")
+NAME_PATTERNS = (("eagle-", "eagle"), ("eagle3", "eagle3"), ("dflash", "dflash"), ("dspark", "dspark"))
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class SpeculativeConfig:
+    """A checked speculative-decoding config; field names and defaults are vLLM's.
+
+    Acted on: `method` (canonical, aliases folded), `num_speculative_tokens` (k >= 1), `model`,
+    `prompt_lookup_min/max` (ngram window; both default to 5, one given copies to the other),
+    `draft_sample_method`, `rejection_sample_method` and our own `oracle_corruption_rate`.
+    Every field after `oracle_corruption_rate` is accepted for vLLM compatibility and ignored.
+
+    Method "oracle" is ours and for benchmarks only: it proposes the tokens the target itself
+    would produce, each replaced by a wrong token with probability `oracle_corruption_rate`, so
+    acceptance can be dialled in to measure the verifier's cost and the speedup ceiling.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    draft_sample_method: str = "greedy"
+    rejection_sample_method: str = "standard"
+    oracle_corruption_rate: float = 0.0
+    # ---- vLLM fields accepted and ignored
+    enforce_eager: bool | None = None
+    draft_tensor_parallel_size: int | None = None
+    quantization: str | None = None
+    moe_backend: str | None = None
+    attention_backend: str | None = None
+    kv_cache_dtype: str | None = None
+    max_model_len: int | None = None
+    revision: str | None = None
+    code_revision: str | None = None
+    index_share_for_mtp_iteration: bool | None = None
+    disable_padded_drafter_batch: bool = False
+    disable_eagle_block_drop: bool = False
+    use_local_argmax_reduction: bool = False
+    use_heterogeneous_vocab: bool = False
+    parallel_drafting: bool = False
+    num_speculative_tokens_per_batch_size: tuple | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    draft_load_config: dict | None = None
+    synthetic_acceptance_rates: tuple | None = None
+    synthetic_acceptance_length: float | None = None
+    enable_adaptive_verification: bool = False
+    dspark_draft_topk: int | None = None
+    speculative_token_tree: str | None = None  # older vLLM releases
+    disable_by_batch_size: int | None = None  # older vLLM releases
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _checked(f.name, getattr(self, f.name), _field_types()[f.name]))
+        object.__setattr__(self, "method", canonical_method(self.method))
+        k = self.num_speculative_tokens
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        self._resolve_lookup_window()
+        _check_choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
+        _check_choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
+        rate = self.oracle_corruption_rate
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"oracle_corruption_rate must be in [0, 1], got {rate}")
+        if rate and self.method != "oracle":
+            raise ValueError(f"oracle_corruption_rate={rate} is only used by method 'oracle', not {self.method!r}")
+
+    def __repr__(self) -> str:
+        """Only the method, k and the fields that differ from their defaults."""
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if f.name in ("method", "num_speculative_tokens") or getattr(self, f.name) != f.default]
+        return f"SpeculativeConfig({', '.join(shown)})"
+
+    def _resolve_lookup_window(self) -> None:
+        """Check prompt_lookup_min/max >= 1; for ngram fill them in (5/5, or one copies the other)."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.method not in ("ngram", "ngram_gpu"):
+            return
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+
+ACTED_FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+                "draft_sample_method", "rejection_sample_method", "oracle_corruption_rate")
+IGNORED_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name not in ACTED_FIELDS)
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
+ACCEPTED_METHODS = (*VLLM_METHODS, *OUR_METHODS, *METHOD_ALIASES)
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """Field name -> resolved type hint (the module uses postponed annotations)."""
+    return typing.get_type_hints(SpeculativeConfig)
+
+
+def _checked(name: str, value: Any, hint: Any) -> Any:
+    """`value` if it has the JSON type `hint` names (bool is not an int; an int is a float); lists
+    become tuples so the config stays hashable. Otherwise ValueError naming the field."""
+    for option in typing.get_args(hint) or (hint,):
+        if value is None and option is type(None):
+            return None
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is tuple and isinstance(value, (list, tuple)):
+            return _freeze(value)
+        if option in (str, bool, dict) and isinstance(value, option):
+            return value
+    expected = " or ".join("null" if o is type(None) else "list" if o is tuple else o.__name__
+                           for o in typing.get_args(hint) or (hint,))
+    raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def canonical_method(method: str) -> str:
+    """Fold an alias ('qwen3_5_mtp', '[ngram]', ...) into its canonical method; refuse unknown names."""
+    if not isinstance(method, str):
+        raise ValueError(f"method must be a string, got {method!r}")
+    method = METHOD_ALIASES.get(method, method)
+    if method not in VLLM_METHODS and method not in OUR_METHODS:
+        raise ValueError(f"unknown speculative method {method!r}; accepted: {', '.join(ACCEPTED_METHODS)}")
+    return method
+
+
+def _is_dotted_path(model: str) -> bool:
+    """True for an import path such as 'pkg.module.MyProposer' (not a URL, not a hub or file path)."""
+    if "/" in model or "://" in model:
+        return False
+    parts = model.split(".")
+    return len(parts) >= 2 and all(p.isidentifier() for p in parts)
+
+
+def infer_method(model: str) -> str:
+    """The method vLLM infers when only `model` is given, as far as the name alone tells."""
+    if not isinstance(model, str):
+        raise ValueError(f"model must be a string, got {model!r}")
+    if _is_dotted_path(model):
+        return "custom_class"
+    if model in ("ngram", "[ngram]"):
+        return "ngram"
+    lowered = model.lower()
+    return next((method for pattern, method in NAME_PATTERNS if pattern in lowered), "draft_model")
+
+
+def _decode(spec: dict | str) -> dict:
+    """A dict, or a JSON string holding an object -> a fresh dict."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(spec).__name__}: {spec!r}")
+    return dict(spec)
+
+
+def _warn_unknown(raw: dict) -> None:
+    """Warn about fields that are neither vLLM's nor ours (a typo, usually)."""
+    unknown = [str(key) for key in raw if key not in {*FIELD_NAMES, *VLLM_ENGINE_FIELDS, "tensor_parallel_size"}]
+    if unknown:
+        warnings.warn(f"speculative_config: unknown fields {', '.join(unknown)} are ignored", stacklevel=3)
+
+
+def _warn_ignored(raw: dict) -> None:
+    """Warn about known vLLM fields given a value (other than the default) that we do not act on."""
+    defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+    ignored = [key for key in raw if (key in VLLM_ENGINE_FIELDS and raw[key] is not None)
+               or (key in IGNORED_FIELDS and raw[key] != defaults[key])]
+    if ignored:
+        warnings.warn(f"speculative_config: vLLM fields {', '.join(ignored)} are accepted but ignored by spec_jax",
+                      stacklevel=3)
+
+
+def _resolve_method(raw: dict) -> str:
+    """The canonical method: the given one, or inferred from `model` as vLLM does."""
+    method, model = raw.get("method"), raw.get("model")
+    if method is not None:
+        return canonical_method(method)
+    if model is not None:
+        return infer_method(model)
+    if raw.get("num_speculative_tokens") is not None:
+        raise ValueError("num_speculative_tokens was provided but without speculative model: set 'method' "
+                         "(e.g. 'mtp' or 'ngram') or 'model'")
+    raise ValueError(f"speculative_config needs 'method' or 'model'; methods: {', '.join(ACCEPTED_METHODS)}")
+
+
+def _check_mtp_target(raw_method: Any, target_has_mtp: bool, target_model_type: str | None) -> None:
+    if not target_has_mtp:
+        raise ValueError("speculative method 'mtp' needs the target's MTP head, but the checkpoint has no mtp.* "
+                         "tensors (a GGUF/safetensors export without the MTP head cannot run mtp); use 'ngram' "
+                         "or a checkpoint that keeps mtp.*")
+    expected = TARGET_MTP_ALIAS.get(target_model_type)
+    if expected and raw_method in MTP_ALIASES and raw_method != expected:
+        warnings.warn(f"method {raw_method!r} names another model family than the target ({target_model_type}, "
+                      f"whose alias is {expected!r}); running the target's own MTP head", stacklevel=3)
+
+
+def parse_speculative_config(spec: dict | str | None, *, target_model: str | None = None, target_has_mtp: bool = True,
+                             target_model_type: str | None = None) -> SpeculativeConfig | None:
+    """vLLM-style `--speculative-config` (None, '', a dict or a JSON string) -> SpeculativeConfig, or None.
+
+    target_model: the target's path; method 'mtp' without `model` uses it (the MTP head lives in
+      the target checkpoint).
+    target_has_mtp: whether the target checkpoint has mtp.* tensors; 'mtp' is refused without them.
+    target_model_type: the target's HF model_type; an MTP alias of another family draws a warning.
+    Raises ValueError naming the field and value for anything malformed, unknown or not implemented.
+    """
+    if spec is None or (isinstance(spec, str) and not spec.strip()):
+        return None
+    if not isinstance(spec, (dict, str)):
+        raise ValueError(f"speculative_config must be a dict or a JSON string, got {type(spec).__name__}")
+    raw = _decode(spec)
+    if raw.get("tensor_parallel_size") is not None:
+        raise ValueError("'tensor_parallel_size' is not a field of speculative_config; "
+                         "use 'draft_tensor_parallel_size' for the draft model")
+    _warn_unknown(raw)
+    method = _resolve_method(raw)
+    if method not in IMPLEMENTED_METHODS:
+        raise ValueError(f"speculative method {method!r} is not implemented yet; "
+                         f"implemented: {', '.join(IMPLEMENTED_METHODS)}")
+    fields = {key: value for key, value in raw.items() if key in FIELD_NAMES}
+    fields["method"] = method
+    if method == "mtp":
+        fields["model"] = fields.get("model") or target_model
+        if fields.get("num_speculative_tokens") is None:
+            fields["num_speculative_tokens"] = MTP_N_PREDICT
+    if fields.get("num_speculative_tokens") is None:
+        raise ValueError(f"num_speculative_tokens is required for speculative method {method!r}")
+    config = SpeculativeConfig(**fields)
+    if config.rejection_sample_method not in IMPLEMENTED_REJECTION_SAMPLE_METHODS:
+        raise ValueError(f"rejection_sample_method {config.rejection_sample_method!r} is not implemented yet; "
+                         f"implemented: {', '.join(IMPLEMENTED_REJECTION_SAMPLE_METHODS)}")
+    if method == "mtp":
+        _check_mtp_target(raw.get("method"), target_has_mtp, target_model_type)
+    _warn_ignored(raw)
+    return config
