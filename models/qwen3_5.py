@@ -420,7 +420,7 @@ def conv_window(seq: jax.Array, n_used: jax.Array, K: int) -> jax.Array:
 
 
 def commit_gdn(cache: GDNCache, pending: GDNPending, n_used: jax.Array, K: int) -> GDNCache:
-    """Keep the first n_used [B] tokens of a verify pass, for every repeat g at once.
+    """Keep the first n_used [B] tokens (0..T) of a verify pass, for every repeat g at once.
 
     The delta rule cannot be run backwards, so this selects the kept per-token state
     ("checkpoint") or re-runs the kept prefix from the committed state ("replay").
@@ -428,8 +428,9 @@ def commit_gdn(cache: GDNCache, pending: GDNPending, n_used: jax.Array, K: int) 
     G, B, T = pending.seq.shape[0], pending.seq.shape[1], pending.seq.shape[2] - (K - 1)
     window = jax.vmap(conv_window, in_axes=(0, None, None))(pending.seq, n_used, K)
     if pending.states is not None:
-        idx = jnp.broadcast_to((n_used - 1)[None, :, None, None, None, None], (G, B, 1, *pending.states.shape[3:]))
-        state = jnp.take_along_axis(pending.states, idx, axis=2)[:, :, 0]
+        last = jnp.maximum(n_used - 1, 0)[None, :, None, None, None, None]
+        picked = jnp.take_along_axis(pending.states, jnp.broadcast_to(last, (G, B, 1, *pending.states.shape[3:])), axis=2)
+        state = jnp.where((n_used > 0)[None, :, None, None, None], picked[:, :, 0], cache.state)  # 0 kept: unchanged
     else:
         flat = lambda x: x.reshape(G * B, *x.shape[2:])
         keep = (jnp.arange(T)[None, :] < n_used[:, None])[None, :, :, None]  # [1, B, T, 1]

@@ -10,6 +10,8 @@ ends at p equals the row's suffix iff tokens[p - j] == tokens[len - 1 - j] for e
 so the length-n match mask is the length-(n-1) mask AND one more shifted comparison.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -63,3 +65,22 @@ def ngram_propose(
     idx = jnp.minimum(start[:, None] + slot, L - 1)
     drafts = jnp.where(slot < n_draft[:, None], jnp.take_along_axis(tokens, idx, axis=1), 0)
     return drafts, n_draft
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramProposer:
+    """Prompt lookup as a proposer (stateless; see `ngram_propose`)."""
+
+    k: int
+    n_min: int
+    n_max: int
+
+    def init_state(self, model, tokens, lengths, hidden, choose, reference=None):
+        return ()
+
+    def propose(self, model, state, tokens, lengths, choose):
+        drafts, n_draft = ngram_propose(tokens, lengths, k=self.k, n_min=self.n_min, n_max=self.n_max)
+        return drafts, n_draft, None, state
+
+    def update(self, model, state, hidden, emitted, n_acc, lengths, choose):
+        return state

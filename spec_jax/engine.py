@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,25 @@ import numpy as np
 from flax import nnx
 
 from models.qwen3_5 import CHUNK, Batch, Qwen3_5Config, Qwen3_5Model, init_cache
-from spec_jax.sampling import RowSampling, sample_tokens
+from spec_jax.sampling import RowSampling, accept_drafts, draw, sample_tokens, warp_logits
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecStats:
+    """Per-row speculation counters. drafted, accepted: [B] draft tokens proposed / accepted;
+    num_drafts: [B] steps that verified at least one draft; per_position: [B, k] how often the
+    draft at each position was accepted."""
+
+    drafted: jax.Array
+    accepted: jax.Array
+    num_drafts: jax.Array
+    per_position: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int, k: int) -> "SpecStats":
+        z = jnp.zeros((batch,), jnp.int32)
+        return cls(z, z, z, jnp.zeros((batch, k), jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -37,6 +56,8 @@ class DecodeState:
     prompt_lengths, max_lengths: [B] (a row stops when lengths reaches max_lengths).
     done: [B] bool. stop_ids: [B, S] int32 (-1 pads). sampling: per-row `RowSampling`.
     cache: the model's `ModelCache`. steps: [] int32 decode steps run so far.
+    speculate: [B] bool rows that draft (a per-request opt-out); proposer: the draft method's
+    own state; stats: `SpecStats` (both empty when speculation is off).
     """
 
     tokens: jax.Array
@@ -48,24 +69,62 @@ class DecodeState:
     sampling: RowSampling
     cache: tuple
     steps: jax.Array
+    speculate: jax.Array
+    proposer: Any = ()
+    stats: SpecStats | None = None
 
 
-def append_tokens(state: DecodeState, new: jax.Array, cache) -> DecodeState:
-    """Write one new token per live row, then update stop conditions. new: [B] int32."""
-    live = ~state.done
-    rows = jnp.arange(new.shape[0])
-    tokens = state.tokens.at[rows, state.lengths].set(jnp.where(live, new, state.tokens[rows, state.lengths]), mode="drop")
-    lengths = state.lengths + live.astype(jnp.int32)
-    stopped = jnp.any(new[:, None] == state.stop_ids, axis=-1) | (lengths >= state.max_lengths)
-    return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=state.done | (live & stopped), cache=cache)
+@dataclasses.dataclass(frozen=True)
+class SpecPlan:
+    """Static description of the speculative step: the proposer (a frozen dataclass from
+    `proposers/`), k drafts per step, the GDN rollback ("checkpoint" or "replay"), and whether
+    drafts are sampled with their probabilities kept (vLLM's draft_sample_method)."""
+
+    proposer: Any
+    k: int
+    rollback: str = "checkpoint"
+    probabilistic: bool = False
+
+
+def append_tokens(state: DecodeState, new: jax.Array, count: jax.Array, cache) -> DecodeState:
+    """Write up to `count` [B] of the tokens new [B, m] per live row, stopping after the first
+    stop token and at max_lengths; then update done."""
+    B, m = new.shape
+    j = jnp.arange(m)[None, :]
+    is_stop = jnp.any(new[:, :, None] == state.stop_ids[:, None, :], axis=-1) & (j < count[:, None])
+    first_stop = jnp.min(jnp.where(is_stop, j, m), axis=1)
+    room = state.max_lengths - state.lengths
+    n = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(count, first_stop + 1), room))
+    idx = state.lengths[:, None] + j
+    idx = jnp.where(j < n[:, None], idx, state.tokens.shape[1])  # out of range: dropped
+    tokens = state.tokens.at[jnp.arange(B)[:, None], idx].set(new, mode="drop")
+    lengths = state.lengths + n
+    stopped = (first_stop < n) | (lengths >= state.max_lengths)
+    return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=state.done | stopped, cache=cache)
+
+
+def drafting_policy(sampling: RowSampling, *, probabilistic: bool, do_sample: bool):
+    """The `choose(logits, positions)` proposers draft with: argmax (q one-hot), or, for
+    probabilistic drafting of sampled rows, a draw from the row's distribution with its q."""
+
+    def choose(logits, positions):
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if not (probabilistic and do_sample):
+            return greedy, None
+        warped = warp_logits(logits, sampling)
+        drawn = draw(warped, sampling, positions, stream=2)
+        return jnp.where(sampling.temperature > 0, drawn, greedy), jax.nn.softmax(warped, axis=-1)
+
+    return choose
 
 
 def prefill(model: Qwen3_5Model, prompts, prompt_lengths, max_lengths, stop_ids, sampling: RowSampling, done,
-            *, cache_len: int, do_sample: bool) -> DecodeState:
-    """Run the prompts and sample each row's first token.
+            speculate, reference, *, cache_len: int, do_sample: bool, plan: SpecPlan | None) -> DecodeState:
+    """Run the prompts, sample each row's first token, and start the proposer.
 
     prompts: [B, T] int32, right-padded; prompt_lengths: [B] (>= 1); max_lengths: [B];
-    stop_ids: [B, S]; done: [B] bool (True for padding rows of the batch bucket).
+    stop_ids: [B, S]; done: [B] bool (True for padding rows of the batch bucket); speculate:
+    [B] bool; reference: [B, L] (oracle proposer only, else None).
     Returns the `DecodeState` with the caches holding each prompt.
     """
     B, T = prompts.shape
@@ -76,31 +135,71 @@ def prefill(model: Qwen3_5Model, prompts, prompt_lengths, max_lengths, stop_ids,
     first = sample_tokens(model.logits(last), sampling, prompt_lengths, do_sample=do_sample)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :T].set(prompts)
     state = DecodeState(tokens, prompt_lengths, prompt_lengths, max_lengths, done, stop_ids, sampling, cache,
-                        jnp.zeros((), jnp.int32))
-    return append_tokens(state, first, cache)
+                        jnp.zeros((), jnp.int32), speculate)
+    state = append_tokens(state, first[:, None], jnp.ones_like(first), cache)
+    if plan is None:
+        return state
+    choose = drafting_policy(sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
+    pstate = plan.proposer.init_state(model, state.tokens, state.lengths, hidden, choose, reference)
+    return dataclasses.replace(state, proposer=pstate, stats=SpecStats.zeros(B, plan.k))
 
 
 def decode_step(model: Qwen3_5Model, state: DecodeState, *, do_sample: bool) -> DecodeState:
-    """Feed each live row's newest token and sample the next one."""
+    """Plain decoding: feed each live row's newest token and sample the next one."""
     B, L = state.tokens.shape
-    rows = jnp.arange(B)
-    newest = state.tokens[rows, state.lengths - 1][:, None]
+    newest = state.tokens[jnp.arange(B), state.lengths - 1][:, None]
     batch = Batch(start=state.lengths - 1, n_valid=(~state.done).astype(jnp.int32))
     hidden, cache = model(newest, batch, state.cache, kv_len=L)
     nxt = sample_tokens(model.logits(hidden[:, 0]), state.sampling, state.lengths, do_sample=do_sample)
-    state = append_tokens(state, nxt, cache)
+    state = append_tokens(state, nxt[:, None], jnp.ones_like(nxt), cache)
     return dataclasses.replace(state, steps=state.steps + 1)
 
 
-def decode_loop(model: Qwen3_5Model, state: DecodeState, max_steps, *, do_sample: bool) -> DecodeState:
-    """`decode_step` in a `lax.while_loop` until every row is done or `max_steps` more steps ran.
-    max_steps is a traced scalar, so streaming in chunks reuses one executable."""
+def spec_step(model: Qwen3_5Model, state: DecodeState, *, plan: SpecPlan, do_sample: bool) -> DecodeState:
+    """One speculative step: propose k drafts, verify [newest, d1..dk] in one target pass,
+    accept, roll every cache back to the accepted prefix, append n_acc + 1 tokens per row.
+
+    Rows that do not speculate (or whose proposer found nothing) carry n_draft = 0: their
+    verify pass is a plain decode step of one token, in the same batch.
+    """
+    B, L = state.tokens.shape
+    k, rows, live = plan.k, jnp.arange(B), ~state.done
+    choose = drafting_policy(state.sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
+    drafts, n_draft, q, pstate = plan.proposer.propose(model, state.proposer, state.tokens, state.lengths, choose)
+    # No drafting for opted-out or finished rows, nor past a row's last allowed token.
+    room = jnp.maximum(state.max_lengths - state.lengths - 1, 0)
+    n_draft = jnp.where(state.speculate & live, jnp.minimum(n_draft, room), 0)
+
+    newest = state.tokens[rows, state.lengths - 1]
+    inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
+    batch = Batch(start=state.lengths - 1, n_valid=jnp.where(live, n_draft + 1, 0))
+    hidden, cache, pending = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback)
+    n_acc, emitted = accept_drafts(model.logits(hidden), drafts, n_draft, q, state.sampling, state.lengths,
+                                   do_sample=do_sample)
+    cache = model.commit(cache, pending, jnp.where(live, n_acc + 1, 0))
+    pstate = plan.proposer.update(model, pstate, hidden, emitted, n_acc, state.lengths, choose)
+
+    s = state.stats
+    accepted_at = (jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None]
+    stats = SpecStats(s.drafted + n_draft, s.accepted + jnp.where(live, n_acc, 0),
+                      s.num_drafts + (n_draft > 0), s.per_position + accepted_at)
+    state = append_tokens(state, emitted, n_acc + 1, cache)
+    return dataclasses.replace(state, proposer=pstate, stats=stats, steps=state.steps + 1)
+
+
+def decode_loop(model: Qwen3_5Model, state: DecodeState, max_steps, *, do_sample: bool,
+                plan: SpecPlan | None = None) -> DecodeState:
+    """Steps in a `lax.while_loop` until every row is done or `max_steps` more steps ran: the
+    plain `decode_step`, or `spec_step` when a plan is given. max_steps is traced, so
+    streaming in chunks reuses one executable."""
     stop_at = state.steps + max_steps
+    step = partial(decode_step, do_sample=do_sample) if plan is None else partial(spec_step, plan=plan,
+                                                                                     do_sample=do_sample)
 
     def cond(s):
         return jnp.any(~s.done) & (s.steps < stop_at)
 
-    return jax.lax.while_loop(cond, partial(decode_step, model, do_sample=do_sample), state)
+    return jax.lax.while_loop(cond, partial(step, model), state)
 
 
 def forward_logits(model: Qwen3_5Model, tokens, length, *, cache_len: int):
@@ -129,11 +228,12 @@ def enable_compilation_cache() -> None:
 class Engine:
     """A loaded model plus its ahead-of-time compiled executables, keyed by shape bucket."""
 
-    def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int):
+    def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None):
         self.cfg: Qwen3_5Config = model.cfg
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.cache_len = -(-max_model_len // CHUNK) * CHUNK
+        self.plan = plan
         self.graphdef, self.params = nnx.split(model)
         self.executables = {}
 
@@ -157,13 +257,14 @@ class Engine:
             self.executables[key] = jitted.lower(self.params, *args).compile()
         return self.executables[key](self.params, *args)
 
-    def prefill(self, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done, do_sample: bool) -> DecodeState:
-        fn = partial(prefill, cache_len=self.cache_len, do_sample=do_sample)
+    def prefill(self, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done, speculate, reference,
+                do_sample: bool) -> DecodeState:
+        fn = partial(prefill, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan)
         return self._compiled("prefill", fn, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done,
-                              static=(do_sample,))
+                              speculate, reference, static=(do_sample,))
 
     def decode(self, state: DecodeState, max_steps: int, do_sample: bool) -> DecodeState:
-        fn = partial(decode_loop, do_sample=do_sample)
+        fn = partial(decode_loop, do_sample=do_sample, plan=self.plan)
         return self._compiled("decode", fn, state, jnp.asarray(max_steps, jnp.int32), static=(do_sample,), donate=(0,))
 
     def logits(self, token_ids: np.ndarray) -> np.ndarray:

@@ -19,7 +19,12 @@ import numpy as np
 from tqdm import tqdm
 
 from spec_jax.checkpoint import load_model, resolve_dtype
-from spec_jax.engine import Engine, enable_compilation_cache
+from models.qwen3_5 import ROLLBACKS
+from proposers.mtp import MTPProposer
+from proposers.ngram import NgramProposer
+from proposers.oracle import OracleProposer
+from spec_jax.engine import Engine, SpecPlan, enable_compilation_cache
+from spec_jax.spec_config import SpeculativeConfig, parse_speculative_config
 from spec_jax.sampling import RowSampling
 from spec_jax.tokenizer import Tokenizer
 
@@ -43,6 +48,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True  # spec_jax extension: False opts this request out of drafting
 
     def __post_init__(self):
         if self.n != 1:
@@ -87,18 +93,23 @@ class LLM:
       seed: base seed for requests that do not set their own.
       speculative_config: vLLM's `--speculative-config` (dict or JSON); None runs plain decoding.
       tokenizer: a `tokenizer.json` path (default: the checkpoint's, if it has one).
+      rollback: how GDN state returns to the accepted prefix after a verify pass: "checkpoint"
+        (keep the state after every verified token and select) or "replay" (keep the delta-rule
+        inputs and re-run the accepted prefix). See BENCHMARKS.md for which is faster.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
-                 max_num_seqs: int = 8, seed: int = 0, speculative_config=None, tokenizer: str | None = None):
+                 max_num_seqs: int = 8, seed: int = 0, speculative_config=None, tokenizer: str | None = None,
+                 rollback: str = "checkpoint"):
         if model is None:
             from spec_jax.default_model import default_model_dir
             model = str(default_model_dir())
         if dtype == "auto":
             dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
         resolve_dtype(dtype)
-        if speculative_config is not None:
-            raise ValueError("speculative_config is not supported yet; pass None for plain decoding")
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
+        spec = parse_speculative_config(speculative_config, target_model=model)  # fail fast, before loading
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be at least 1")
         enable_compilation_cache()
@@ -109,7 +120,13 @@ class LLM:
         if not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
         self.max_model_len = max_model_len
-        self.engine = Engine(self.model, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        if spec is not None and spec.method == "mtp" and self.model.mtp is None:
+            parse_speculative_config(speculative_config, target_model=model, target_has_mtp=False)
+        self.speculative_config = spec
+        plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg), spec.num_speculative_tokens, rollback,
+                                                  spec.draft_sample_method == "probabilistic")
+        self.engine = Engine(self.model, max_model_len=max_model_len, max_num_seqs=max_num_seqs, plan=plan)
+        self.metrics: dict = {}
         tok_path = Path(tokenizer) if tokenizer else Path(model) / "tokenizer.json"
         self.tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
         if tokenizer and self.tokenizer is None:
@@ -170,17 +187,21 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(ids)} prompts")
         outputs = []
         n = self.engine.max_num_seqs
+        t0 = time.perf_counter()
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
             for s in range(0, len(ids), n):
                 outputs += self._run_batch(prompts[s:s + n], ids[s:s + n], params[s:s + n])
                 bar.update(len(ids[s:s + n]))
+        self.metrics = aggregate_metrics(outputs)
+        self.metrics["tokens_per_s"] = self.metrics["num_generated_tokens"] / (time.perf_counter() - t0)
         return outputs
 
     def _row_seed(self, p: SamplingParams) -> int:
         self._requests += 1
         return p.seed if p.seed is not None else hash((self.seed, self._requests)) & 0x7FFFFFFF
 
-    def _run_batch(self, prompts, ids, params) -> list[RequestOutput]:
+    def _start_batch(self, ids, params):
+        """Pad a batch to its buckets and prefill it. Returns (state, do_sample, stop lists)."""
         n = len(ids)
         B = self.engine.batch_bucket(n)
         T = self.engine.prompt_bucket(max(len(x) for x in ids))
@@ -197,38 +218,108 @@ class LLM:
             max_lengths[i] = min(len(x) + budget, self.max_model_len)
             stop_ids[i, :len(st)] = st
         done = np.arange(B) >= n  # padding rows of the bucket never run
-        temperature = np.zeros((B,), np.float32)
-        temperature[:n] = [p.temperature for p in params]
-        top_k = np.zeros((B,), np.int32)
-        top_k[:n] = [max(p.top_k, 0) for p in params]
-        top_p = np.ones((B,), np.float32)
-        top_p[:n] = [p.top_p for p in params]
+        speculate = np.zeros((B,), bool)
+        speculate[:n] = [p.speculative for p in params]
+        pad = lambda values, fill, dtype: np.asarray(list(values) + [fill] * (B - n), dtype)
+        temperature = pad((p.temperature for p in params), 0.0, np.float32)
         keys = jax.random.split(jax.random.key(0), B)
         keys = keys.at[:n].set(jnp.stack([jax.random.key(self._row_seed(p)) for p in params]))
-        sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p), keys)
+        sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(pad((max(p.top_k, 0) for p in params), 0, np.int32)),
+                               jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys)
         do_sample = bool((temperature > 0).any())
+        inputs = [jnp.asarray(x) for x in (tokens, lengths, max_lengths, stop_ids)] + [sampling, jnp.asarray(done)]
+        reference = self._oracle_reference(inputs, do_sample) if self.engine.plan and isinstance(
+            self.engine.plan.proposer, OracleProposer) else None
+        state = self.engine.prefill(*inputs, jnp.asarray(speculate), reference, do_sample)
+        return state, do_sample, stops
 
+    def _oracle_reference(self, inputs, do_sample: bool):
+        """The target's own continuation of each row (plain decoding), for the oracle proposer."""
+        plain = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=self.engine.max_num_seqs)
+        tokens, lengths, max_lengths, stop_ids, sampling, done = inputs
+        no_stop = jnp.full_like(stop_ids, -1)
+        full = jnp.full_like(max_lengths, self.max_model_len)
+        state = plain.prefill(tokens, lengths, full, no_stop, sampling, done, jnp.zeros_like(done), None, do_sample)
+        return plain.decode(state, self.max_model_len, do_sample).tokens
+
+    def _run_batch(self, prompts, ids, params) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        state = self.engine.prefill(jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_lengths),
-                                    jnp.asarray(stop_ids), sampling, jnp.asarray(done), do_sample)
+        state, do_sample, stops = self._start_batch(ids, params)
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
         state = self.engine.decode(state, self.max_model_len, do_sample)
-        out_tokens, out_lengths = jax.device_get((state.tokens, state.lengths))
+        out_tokens, out_lengths, stats = jax.device_get((state.tokens, state.lengths, state.stats))
         t2 = time.perf_counter()
-
         results = []
-        for i in range(n):
-            gen = out_tokens[i, lengths[i]:out_lengths[i]].tolist()
+        for i in range(len(ids)):
+            gen = out_tokens[i, len(ids[i]):out_lengths[i]].tolist()
             finish = "stop" if gen and gen[-1] in stops[i] else "length"
             text = self.tokenizer.decode(gen, params[i].skip_special_tokens) if self.tokenizer else ""
-            decode_s = t2 - t1
-            metrics = {
-                "num_prompt_tokens": len(ids[i]), "num_generated_tokens": len(gen),
-                "prefill_s": t1 - t0, "decode_s": decode_s,
-                "tpot_s": decode_s / max(len(gen) - 1, 1),
-                "tokens_per_s": len(gen) / max(t2 - t0, 1e-9),
-            }
-            results.append(RequestOutput(str(self._requests - n + i), prompts[i], ids[i],
+            metrics = request_metrics(len(ids[i]), len(gen), t1 - t0, t2 - t1, stats, i)
+            results.append(RequestOutput(str(self._requests - len(ids) + i), prompts[i], ids[i],
                                          [CompletionOutput(0, text, gen, finish)], metrics))
         return results
+
+    def generate_stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+                        prompt_token_ids: Sequence[int] | None = None, steps_per_chunk: int = 1):
+        """Yield a request's new token ids as they are accepted (the same jitted step as
+        `generate`, run `steps_per_chunk` steps per device call). One request at a time."""
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("pass exactly one of prompt (text) or prompt_token_ids")
+        if steps_per_chunk < 1:
+            raise ValueError(f"steps_per_chunk={steps_per_chunk} must be at least 1")
+        ids = self._check_ids(self._encode(prompt, "prompt") if prompt is not None else prompt_token_ids, "prompt")
+        params = sampling_params or SamplingParams()
+        state, do_sample, _ = self._start_batch([ids], [params])
+        sent = len(ids)
+        while True:
+            length, done = (int(x) for x in jax.device_get((state.lengths[0], state.done[0])))
+            if length > sent:
+                yield jax.device_get(state.tokens[0, sent:length]).tolist()
+                sent = length
+            if done:
+                return
+            state = self.engine.decode(state, steps_per_chunk, do_sample)
+
+
+def make_proposer(spec: SpeculativeConfig, cfg):
+    """The proposer object for a parsed speculative config."""
+    k = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "mtp":
+        return MTPProposer(k)
+    if spec.method == "oracle":
+        return OracleProposer(k, spec.oracle_corruption_rate, cfg.vocab_size)
+    raise ValueError(f"speculative method {spec.method!r} has no proposer")
+
+
+def request_metrics(n_prompt: int, n_gen: int, prefill_s: float, decode_s: float, stats, row: int) -> dict:
+    """One request's figures; the speculation counters are vLLM's (mean acceptance length =
+    1 + accepted / steps that drafted)."""
+    m = {"num_prompt_tokens": n_prompt, "num_generated_tokens": n_gen, "prefill_s": prefill_s, "decode_s": decode_s,
+         "tpot_s": decode_s / max(n_gen - 1, 1), "tokens_per_s": n_gen / max(prefill_s + decode_s, 1e-9)}
+    if stats is not None:
+        drafted, accepted, steps = int(stats.drafted[row]), int(stats.accepted[row]), int(stats.num_drafts[row])
+        m.update(num_drafts=steps, num_draft_tokens=drafted, num_accepted_tokens=accepted,
+                 acceptance_rate=accepted / drafted if drafted else 0.0,
+                 mean_acceptance_length=1 + accepted / steps if steps else 1.0,
+                 acceptance_per_position=[int(a) / steps if steps else 0.0 for a in stats.per_position[row]])
+    return m
+
+
+def aggregate_metrics(outputs: Sequence[RequestOutput]) -> dict:
+    """Totals over requests: tokens, speculation counters, acceptance figures."""
+    ms = [o.metrics for o in outputs]
+    total = {"num_requests": len(ms), "num_generated_tokens": sum(m["num_generated_tokens"] for m in ms)}
+    if ms and "num_drafts" in ms[0]:
+        steps = sum(m["num_drafts"] for m in ms)
+        drafted = sum(m["num_draft_tokens"] for m in ms)
+        accepted = sum(m["num_accepted_tokens"] for m in ms)
+        k = len(ms[0]["acceptance_per_position"])
+        per_pos = [sum(m["acceptance_per_position"][i] * m["num_drafts"] for m in ms) / steps if steps else 0.0
+                   for i in range(k)]
+        total.update(num_drafts=steps, num_draft_tokens=drafted, num_accepted_tokens=accepted,
+                     acceptance_rate=accepted / drafted if drafted else 0.0,
+                     mean_acceptance_length=1 + accepted / steps if steps else 1.0, acceptance_per_position=per_pos)
+    return total

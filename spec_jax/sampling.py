@@ -53,7 +53,70 @@ def sample_tokens(logits: jax.Array, params: RowSampling, positions: jax.Array, 
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not do_sample:
         return greedy
-    keys = jax.vmap(jax.random.fold_in)(params.key, positions)
-    warped = warp_logits(logits, params)
-    drawn = jax.vmap(jax.random.categorical)(keys, warped).astype(jnp.int32)
+    drawn = draw(warp_logits(logits, params), params, positions, stream=0)
     return jnp.where(params.temperature > 0, drawn, greedy)
+
+
+def draw(logits: jax.Array, params: RowSampling, positions: jax.Array, stream: int) -> jax.Array:
+    """One categorical draw per row from logits [B, V], keyed by (row key, position, stream)."""
+    keys = jax.vmap(lambda k, p: jax.random.fold_in(jax.random.fold_in(k, p), stream))(params.key, positions)
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+def accept_drafts(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, draft_probs: jax.Array | None,
+                  params: RowSampling, positions: jax.Array, *, do_sample: bool) -> tuple[jax.Array, jax.Array]:
+    """Verify k drafts per row against the target (Leviathan et al.; vLLM's standard method).
+
+    logits: [B, k+1, V] float32 target logits at [last, d1..dk]; drafts: [B, k]; n_draft: [B]
+    real drafts per row (0..k; the rest are ignored); draft_probs: [B, k, V] the draft's q, or
+    None to treat q as one-hot on the drafted token (ngram, or greedy drafting); positions: [B]
+    buffer index of the row's first emitted token.
+
+    Greedy rows (temperature 0) accept the longest prefix with d_i == argmax p_i and emit the
+    target's argmax after it. Sampled rows accept d_i with probability min(1, p_i(d_i)/q_i(d_i)),
+    at the first rejection draw from normalize(max(0, p_i - q_i)), and after k acceptances draw
+    a bonus token from p_{k+1}; p is the row's temperature/top-k/top-p distribution.
+
+    Returns n_acc [B] (0..n_draft) and emitted [B, k+1]: the first n_acc + 1 entries are the
+    row's new tokens.
+    """
+    B, T, V = logits.shape
+    k = T - 1
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    in_draft = jnp.arange(k)[None, :] < n_draft[:, None]
+    greedy_ok = (drafts == argmax[:, :k]) & in_draft
+    n_greedy = jnp.sum(jnp.cumprod(greedy_ok, axis=1), axis=1).astype(jnp.int32)
+    if not do_sample:
+        return n_greedy, argmax
+
+    flat = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), params)
+    warped = warp_logits(logits.reshape(B * T, V), flat).reshape(B, T, V)
+    p = jax.nn.softmax(warped, axis=-1)
+    if draft_probs is None:
+        q = jax.nn.one_hot(drafts, V, dtype=p.dtype)
+    else:
+        q = draft_probs
+    q = jnp.where(in_draft[..., None], q, 0.0)
+    p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u_keys = jax.vmap(lambda key, pos: jax.random.split(jax.random.fold_in(jax.random.fold_in(key, pos), 1), k))(
+        params.key, positions)
+    u = jax.vmap(jax.vmap(jax.random.uniform))(u_keys)  # [B, k]
+    ok = (u * q_d < p_d) & in_draft
+    n_sampled = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+
+    # At a rejection, draw from the residual; after the last draft, from p itself (q = 0 there),
+    # through the same warped logits spec-off sampling uses.
+    q_full = jnp.concatenate([q, jnp.zeros((B, 1, V), q.dtype)], axis=1)
+    at = lambda x: jnp.take_along_axis(x, n_sampled[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(at(p) - at(q_full), 0.0)
+    rejected = n_sampled < n_draft
+    use_residual = rejected & (jnp.sum(residual, axis=-1) > 0)
+    final_logits = jnp.where(use_residual[:, None], jnp.log(residual), at(warped))
+    final = draw(final_logits, params, positions + n_sampled, stream=0)
+    emitted = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(jnp.arange(T)[None, :] == n_sampled[:, None], final[:, None], emitted)
+
+    sampled_row = params.temperature > 0
+    n_acc = jnp.where(sampled_row, n_sampled, n_greedy)
+    return n_acc, jnp.where(sampled_row[:, None], emitted, argmax)

@@ -3,7 +3,11 @@
 import os
 from pathlib import Path
 
+import dataclasses
+
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SPEC_JAX_XLA_CACHE", str(Path(__file__).parent.parent / ".venv" / "xla-cache"))
@@ -32,3 +36,19 @@ def tiny_llm(tiny_dir):
     from spec_jax import LLM
 
     return LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
+
+
+@pytest.fixture(scope="session")
+def echo_dir(tmp_path_factory):
+    """A tiny model whose drafts are often right: with tied, large embeddings the target tends to
+    repeat tokens, and its MTP head is made to copy its input token plus noise from the hidden
+    state, so drafts are accepted at every count from none to all (0.4, 0.3, 0.1 at k = 3)."""
+    cfg = dataclasses.replace(TINY, vocab_size=64, eos_token_id=(63,), tie_word_embeddings=True)
+    d = write_checkpoint(tmp_path_factory.mktemp("echo"), cfg, seed=3)
+    t = load_file(str(d / "model.safetensors"))
+    H, rng = cfg.hidden_size, np.random.default_rng(0)
+    t["mtp.fc.weight"] = np.concatenate([np.eye(H), 3.0 * rng.normal(size=(H, H)) / np.sqrt(H)], 1).astype(np.float32)
+    t["mtp.layers.0.self_attn.o_proj.weight"] *= 0.1
+    t["mtp.layers.0.mlp.down_proj.weight"] *= 0.1
+    save_file(t, str(d / "model.safetensors"))
+    return d

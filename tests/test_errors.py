@@ -104,6 +104,6 @@ def test_missing_model_directory(tmp_path):
         load_model(tmp_path / "nowhere")
 
 
-def test_speculative_config_refused_for_now(tiny_dir):
-    with pytest.raises(ValueError, match="speculative_config"):
-        LLM(model=str(tiny_dir), speculative_config={"method": "ngram"})
+def test_unknown_rollback(tiny_dir):
+    with pytest.raises(ValueError, match="rollback='undo'; expected one of checkpoint, replay"):
+        LLM(model=str(tiny_dir), rollback="undo")

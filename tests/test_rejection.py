@@ -1,0 +1,116 @@
+"""Rejection sampling keeps the target's distribution: on a toy target/draft pair (chi-square,
+fixed seeds, jitted), and end to end for the first token a speculative step emits."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from spec_jax import LLM, SamplingParams
+from spec_jax.sampling import RowSampling, accept_drafts, warp_logits
+
+N, V, K = 40000, 6, 2
+P_VALUE = 1e-3  # fixed seeds make each test deterministic; this only sizes the bound
+
+
+def toy(temperature=1.0, top_k=0, top_p=1.0, seed=0):
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(np.broadcast_to(rng.normal(size=(K + 1, V)) * 1.5, (N, K + 1, V)), jnp.float32)
+    q = rng.dirichlet(np.ones(V), size=K)  # the draft's distribution at each position
+    drafts = np.stack([rng.choice(V, size=N, p=q[i]) for i in range(K)], 1).astype(np.int32)
+    params = RowSampling(jnp.full(N, temperature, jnp.float32), jnp.full(N, top_k, jnp.int32),
+                         jnp.full(N, top_p, jnp.float32), jax.random.split(jax.random.key(seed), N))
+    return logits, jnp.asarray(drafts), jnp.asarray(np.broadcast_to(q, (N, K, V)), jnp.float32), params
+
+
+def target_p(logits, params):
+    return np.asarray(jax.nn.softmax(warp_logits(logits[:1, 0], jax.tree.map(lambda x: x[:1], params)))[0])
+
+
+def chisquare(counts, p):
+    p = np.asarray(p, np.float64)
+    return stats.chisquare(counts, counts.sum() * p / p.sum()).pvalue
+
+
+def assert_distribution(samples, p):
+    counts = np.bincount(np.asarray(samples), minlength=len(p))
+    support = p > 0
+    assert counts[~support].sum() == 0, "sampled a token the target excludes"
+    assert chisquare(counts[support], p[support]) > P_VALUE
+
+
+accept = jax.jit(accept_drafts, static_argnames="do_sample")
+
+
+@pytest.mark.parametrize("with_q", [True, False], ids=["probabilistic-q", "one-hot-q"])
+def test_first_emitted_token_follows_the_target(with_q):
+    logits, drafts, q, params = toy()
+    n_acc, emitted = accept(logits, drafts, jnp.full(N, K), q if with_q else None, params, jnp.zeros(N, jnp.int32),
+                            do_sample=True)
+    assert_distribution(emitted[:, 0], target_p(logits, params))
+    assert 0 < float(jnp.mean(n_acc)) < K
+
+
+def test_second_token_given_the_first_accepted_follows_the_target():
+    logits, drafts, q, params = toy(seed=1)
+    n_acc, emitted = accept(logits, drafts, jnp.full(N, K), q, params, jnp.zeros(N, jnp.int32), do_sample=True)
+    first_ok = np.asarray(n_acc >= 1)
+    # Rows whose first draft was accepted emitted d1 first; their second token follows p_2.
+    d = np.asarray(drafts[:, 0])
+    top = np.bincount(d[first_ok]).argmax()
+    rows = first_ok & (d == top)
+    p2 = np.asarray(jax.nn.softmax(logits[0, 1]))
+    counts = np.bincount(np.asarray(emitted[rows, 1]), minlength=V)
+    assert chisquare(counts, p2) > P_VALUE
+
+
+def test_filters_shape_the_verified_distribution():
+    logits, drafts, q, params = toy(temperature=0.7, top_k=4, top_p=0.9, seed=2)
+    _, emitted = accept(logits, drafts, jnp.full(N, K), q, params, jnp.zeros(N, jnp.int32), do_sample=True)
+    assert_distribution(emitted[:, 0], target_p(logits, params))
+
+
+def test_rows_without_drafts_sample_the_target():
+    logits, drafts, q, params = toy(seed=3)
+    n_acc, emitted = accept(logits, drafts, jnp.zeros(N, jnp.int32), q, params, jnp.zeros(N, jnp.int32),
+                            do_sample=True)
+    assert int(jnp.max(n_acc)) == 0
+    assert_distribution(emitted[:, 0], target_p(logits, params))
+
+
+def test_greedy_rows_take_the_longest_matching_prefix():
+    logits, _, q, params = toy(seed=4)
+    argmax = np.asarray(jnp.argmax(logits[0], -1))
+    drafts = np.tile(argmax[:K], (N, 1))
+    drafts[1, 1] = (argmax[1] + 1) % V  # row 1 rejects its second draft
+    drafts[2, 0] = (argmax[0] + 1) % V  # row 2 rejects its first
+    greedy = dataclasses.replace(params, temperature=jnp.zeros(N, jnp.float32))
+    n_acc, emitted = accept(logits, jnp.asarray(drafts), jnp.full(N, K), None, greedy, jnp.zeros(N, jnp.int32),
+                            do_sample=True)
+    assert n_acc[:3].tolist() == [K, 1, 0]
+    assert np.asarray(emitted[0]).tolist() == argmax.tolist()
+
+
+def second_tokens(model_dir, spec, seeds, temperature=1.0):
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=64, speculative_config=spec)
+    params = [SamplingParams(max_tokens=2, temperature=temperature, seed=int(s), ignore_eos=True) for s in seeds]
+    outs = llm.generate(prompt_token_ids=[[5, 9, 5, 9, 5]] * len(seeds), sampling_params=params, use_tqdm=False)
+    return np.asarray([o.outputs[0].token_ids for o in outs])
+
+
+@pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
+def test_end_to_end_first_speculative_token_matches_plain(echo_dir, draft_sample_method):
+    """Two tokens per request: the first comes from prefill, the second from one speculative step
+    (or one plain step). Their joint distributions must agree (two-sample chi-square)."""
+    n = 2048
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": draft_sample_method}
+    plain = second_tokens(echo_dir, None, range(n))
+    spec_on = second_tokens(echo_dir, spec, range(n, 2 * n))
+    joint = lambda t: t[:, 0] * 64 + t[:, 1]
+    keys = np.union1d(joint(plain), joint(spec_on))
+    table = np.stack([[np.sum(joint(t) == key) for key in keys] for t in (plain, spec_on)])
+    table = table[:, table.sum(0) >= 10]  # chi-square needs populated cells
+    assert stats.chi2_contingency(table).pvalue > P_VALUE
