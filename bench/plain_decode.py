@@ -34,6 +34,13 @@ GEOMETRIES = {
 }
 
 
+def geometry_config(name: str) -> Qwen3_5Config:
+    """A released Qwen3.5 geometry (random weights are written for it) with its MTP head."""
+    return Qwen3_5Config(**{"vocab_size": 248320, "head_dim": 256, "linear_num_key_heads": 16,
+                            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                            "mtp_num_hidden_layers": 1, "eos_token_id": (248044,), **GEOMETRIES[name]})
+
+
 def weight_bytes(llm: LLM) -> int:
     """Bytes of parameters one decode step streams: everything but the MTP head (the tied
     embedding is read whole by the lm_head)."""
@@ -52,9 +59,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
-    cfg = Qwen3_5Config(**{"vocab_size": 248320, "head_dim": 256, "linear_num_key_heads": 16,
-                           "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                           "mtp_num_hidden_layers": 1, "eos_token_id": (248044,), **GEOMETRIES[args.geometry]})
+    cfg = geometry_config(args.geometry)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         t = time.perf_counter()

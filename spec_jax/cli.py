@@ -2,6 +2,7 @@
 
     spec-jax generate --model DIR --prompt "def fib(n):" --max-tokens 64
     spec-jax generate --prompt-token-ids 1,2,3 --temperature 0.8 --seed 1
+    spec-jax generate --model DIR --prompt "..." --speculative-config '{"method":"mtp","num_speculative_tokens":2}'
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default 4096)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="batch rows per step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", default=None,
+                   help="vLLM's speculative config as JSON, e.g. '{\"method\":\"ngram\",\"num_speculative_tokens\":3}'")
+    p.add_argument("--rollback", default="checkpoint", choices=["checkpoint", "replay"],
+                   help="how GDN state returns to the accepted prefix after verification")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +64,8 @@ def generate(args) -> None:
                             top_p=args.top_p, stop_token_ids=stop, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, seed=args.seed)
+              max_num_seqs=args.max_num_seqs, seed=args.seed, speculative_config=args.speculative_config,
+              rollback=args.rollback)
     print(f"loaded {llm.model_path} ({llm.cfg.model_type}, {llm.cfg.num_hidden_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if args.prompt:
@@ -74,6 +80,12 @@ def generate(args) -> None:
         print(c.text if llm.tokenizer else c.token_ids)
         print(f"[{m['num_generated_tokens']} tokens, finish={c.finish_reason}, {m['tokens_per_s']:.1f} tok/s "
               f"including compilation on first use]", file=sys.stderr)
+    if llm.speculative_config is not None:
+        a = llm.metrics
+        per_pos = ", ".join(f"{x:.2f}" for x in a["acceptance_per_position"])
+        print(f"[speculation {llm.speculative_config.method}: acceptance rate {a['acceptance_rate']:.2f}, mean "
+              f"acceptance length {a['mean_acceptance_length']:.2f}, per position {per_pos}; "
+              f"{a['num_accepted_tokens']}/{a['num_draft_tokens']} drafts accepted]", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

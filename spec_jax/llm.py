@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -109,7 +110,7 @@ class LLM:
         resolve_dtype(dtype)
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
-        spec = parse_speculative_config(speculative_config, target_model=model)  # fail fast, before loading
+        parse_speculative_config(speculative_config, target_model=model)  # fail fast, before loading weights
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be at least 1")
         enable_compilation_cache()
@@ -120,12 +121,7 @@ class LLM:
         if not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
         self.max_model_len = max_model_len
-        if spec is not None and spec.method == "mtp" and self.model.mtp is None:
-            parse_speculative_config(speculative_config, target_model=model, target_has_mtp=False)
-        self.speculative_config = spec
-        plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg), spec.num_speculative_tokens, rollback,
-                                                  spec.draft_sample_method == "probabilistic")
-        self.engine = Engine(self.model, max_model_len=max_model_len, max_num_seqs=max_num_seqs, plan=plan)
+        self._set_speculation(speculative_config, rollback, max_num_seqs)
         self.metrics: dict = {}
         tok_path = Path(tokenizer) if tokenizer else Path(model) / "tokenizer.json"
         self.tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
@@ -133,6 +129,24 @@ class LLM:
             raise ValueError(f"tokenizer file {tokenizer!r} does not exist")
         self.seed = seed
         self._requests = 0
+
+    def _set_speculation(self, speculative_config, rollback: str, max_num_seqs: int) -> None:
+        spec = parse_speculative_config(speculative_config, target_model=self.model_path,
+                                        target_has_mtp=self.model.mtp is not None)
+        self.speculative_config = spec
+        plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg), spec.num_speculative_tokens, rollback,
+                                                  spec.draft_sample_method == "probabilistic")
+        self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan)
+
+    def with_speculation(self, speculative_config, *, rollback: str = "checkpoint") -> "LLM":
+        """The same loaded weights with another speculative config (None: plain decoding), for
+        comparing methods without reloading. Compiled executables are per config."""
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
+        other = copy.copy(self)
+        other._set_speculation(speculative_config, rollback, self.engine.max_num_seqs)
+        other.metrics, other._plain_engine = {}, None
+        return other
 
     # ------------------------------------------------------------------ inputs
 
@@ -235,7 +249,10 @@ class LLM:
 
     def _oracle_reference(self, inputs, do_sample: bool):
         """The target's own continuation of each row (plain decoding), for the oracle proposer."""
-        plain = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=self.engine.max_num_seqs)
+        if getattr(self, "_plain_engine", None) is None:
+            self._plain_engine = Engine(self.model, max_model_len=self.max_model_len,
+                                        max_num_seqs=self.engine.max_num_seqs)
+        plain = self._plain_engine
         tokens, lengths, max_lengths, stop_ids, sampling, done = inputs
         no_stop = jnp.full_like(stop_ids, -1)
         full = jnp.full_like(max_lengths, self.max_model_len)
@@ -248,7 +265,7 @@ class LLM:
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
         state = self.engine.decode(state, self.max_model_len, do_sample)
-        out_tokens, out_lengths, stats = jax.device_get((state.tokens, state.lengths, state.stats))
+        out_tokens, out_lengths, stats, steps = jax.device_get((state.tokens, state.lengths, state.stats, state.steps))
         t2 = time.perf_counter()
         results = []
         for i in range(len(ids)):
@@ -256,6 +273,7 @@ class LLM:
             finish = "stop" if gen and gen[-1] in stops[i] else "length"
             text = self.tokenizer.decode(gen, params[i].skip_special_tokens) if self.tokenizer else ""
             metrics = request_metrics(len(ids[i]), len(gen), t1 - t0, t2 - t1, stats, i)
+            metrics["batch_decode_steps"] = int(steps)
             results.append(RequestOutput(str(self._requests - len(ids) + i), prompts[i], ids[i],
                                          [CompletionOutput(0, text, gen, finish)], metrics))
         return results

@@ -35,3 +35,15 @@ def test_default_model_builds_and_generates_text(tmp_path, monkeypatch, capsys):
     rc = main(["generate", "--prompt", "import os", "--max-tokens", "4", "--max-model-len", "128"])
     assert rc == 0
     assert "RANDOM" in capsys.readouterr().err
+
+
+def test_generate_command_speculates(capsys):
+    ref = np.load(HF_FIXTURES / "dense_vl" / "reference.npz")
+    ids = ",".join(map(str, ref["prompt_ids"].tolist()))
+    rc = main(["generate", "--model", str(HF_FIXTURES / "dense_vl"), "--dtype", "float32", "--prompt-token-ids", ids,
+               "--max-tokens", "8", "--max-model-len", "64", "--ignore-eos",
+               "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+    out = capsys.readouterr()
+    assert rc == 0
+    assert str(ref["greedy_ids"][:8].tolist()) in out.out
+    assert "speculation mtp: acceptance rate" in out.err
