@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.gdn_common import prepare_qk
 
+MAX_UNROLL = 16
+
 
 def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = False):
     """Pure-JAX recurrent gated delta rule.
@@ -41,7 +43,10 @@ def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = Fals
         return s, (o_t, s) if keep_states else (o_t, None)
 
     time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
-    final, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), time_major)
+    # Decode and verify run a handful of tokens: unrolled, XLA fuses the steps instead of
+    # launching a loop iteration's kernels per token.
+    unroll = q.shape[1] <= MAX_UNROLL
+    final, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), time_major, unroll=unroll)
     o = jnp.moveaxis(o, 0, 1)
     if keep_states:
         return o, final, jnp.moveaxis(states, 0, 1)

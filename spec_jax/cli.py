@@ -21,7 +21,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative-config", default=None,
                    help="vLLM's speculative config as JSON, e.g. '{\"method\":\"ngram\",\"num_speculative_tokens\":3}'")
-    p.add_argument("--rollback", default="checkpoint", choices=["checkpoint", "replay"],
+    p.add_argument("--rollback", default="replay", choices=["checkpoint", "replay"],
                    help="how GDN state returns to the accepted prefix after verification")
 
 

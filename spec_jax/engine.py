@@ -82,7 +82,7 @@ class SpecPlan:
 
     proposer: Any
     k: int
-    rollback: str = "checkpoint"
+    rollback: str = "replay"
     probabilistic: bool = False
 
 

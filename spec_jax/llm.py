@@ -101,7 +101,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 8, seed: int = 0, speculative_config=None, tokenizer: str | None = None,
-                 rollback: str = "checkpoint"):
+                 rollback: str = "replay"):
         if model is None:
             from spec_jax.default_model import default_model_dir
             model = str(default_model_dir())
@@ -138,7 +138,7 @@ class LLM:
                                                   spec.draft_sample_method == "probabilistic")
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan)
 
-    def with_speculation(self, speculative_config, *, rollback: str = "checkpoint") -> "LLM":
+    def with_speculation(self, speculative_config, *, rollback: str = "replay") -> "LLM":
         """The same loaded weights with another speculative config (None: plain decoding), for
         comparing methods without reloading. Compiled executables are per config."""
         if rollback not in ROLLBACKS:

@@ -1,0 +1,76 @@
+"""Where a speculative step's time goes: the target forward for 1 token (decode) against k+1
+tokens (verify) with each rollback, the commit, and the logits, each jitted and timed over
+back-to-back calls on a random model of a real geometry.
+
+    python bench/verify_cost.py --geometry 0.8b --batch 1 8 --k 1 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bench.plain_decode import GEOMETRIES, geometry_config
+from models.qwen3_5 import Batch, init_cache
+from spec_jax.checkpoint import load_model
+from spec_jax.random_checkpoint import write_checkpoint
+
+
+def timed(fn, *args, reps: int = 50) -> float:
+    """Median-free mean over back-to-back calls after a warm-up (ms)."""
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--geometry", default="0.8b", choices=GEOMETRIES)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--context", type=int, default=384, help="tokens already in the cache")
+    ap.add_argument("--cache-len", type=int, default=512)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = geometry_config(args.geometry)
+        model, cfg = load_model(write_checkpoint(tmp, cfg, dtype="bfloat16"), "bfloat16")
+    gdef, params = nnx.split(model)
+    L = args.cache_len
+
+    def forward(params, tokens, start, cache, rollback, with_logits):
+        m = nnx.merge(gdef, params)
+        batch = Batch(start, jnp.full_like(start, tokens.shape[1]))
+        out = m(tokens, batch, cache, kv_len=L, rollback=rollback)
+        hidden, cache = out[0], out[1]
+        if rollback is not None:
+            cache = m.commit(cache, out[2], jnp.full_like(start, tokens.shape[1] // 2 + 1))
+        return (m.logits(hidden) if with_logits else hidden), cache
+
+    for B in args.batch:
+        cache = init_cache(cfg, B, L, jnp.bfloat16)
+        start = jnp.full((B,), args.context, jnp.int32)
+        runs = [("decode", 1, None)] + [(f"verify k={k} {rb}", k + 1, rb) for k in args.k
+                                         for rb in ("checkpoint", "replay")]
+        base = None
+        for name, T, rb in runs:
+            tokens = jnp.ones((B, T), jnp.int32)
+            row = {"batch": B, "pass": name}
+            for with_logits in (False, True):
+                fn = jax.jit(lambda p, t, s, c, rb=rb, wl=with_logits: forward(p, t, s, c, rb, wl))
+                row["ms_with_logits" if with_logits else "ms_body"] = timed(fn, params, tokens, start, cache)
+            base = base or row["ms_with_logits"]
+            row["over_decode"] = row["ms_with_logits"] / base
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
