@@ -4,14 +4,20 @@ Per value head, with state S [dk, dv] in float32:
     S = exp(g_t) * S;  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 q and k are L2-normalised (q also scaled by dk^-1/2) inside the op.
 
-`gdn_recurrent` is the dispatcher the model calls. A Pallas GPU kernel will sit beside the
-reference here; until then every backend runs the reference.
+`gdn_recurrent` is the dispatcher the model calls: the Pallas (Triton) kernel on a GPU, the
+pure-JAX reference elsewhere. The kernel runs one program per (row, value head, block of BV
+value columns): each column of S evolves independently, so the state tile [dk, BV] stays in
+float32 registers across the tokens, and q/k normalisation, decay and beta are fused in.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.gdn_common import prepare_qk
+from pallas_kernels.gdn_common import L2_EPS, prepare_qk
 
 MAX_UNROLL = 16
 
@@ -53,6 +59,78 @@ def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = Fals
     return o, final
 
 
+def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, s_ref, *states_ref, T: int):
+    """One (row, value head, value block): q/k [Tp, dk], v [Tp, BV], g/beta [Tp], state [dk, BV]."""
+    s = s0_ref[...].astype(jnp.float32)
+    scale = q_ref.shape[-1] ** -0.5
+    for t in range(T):  # T is small and static: unrolled
+        q_t = q_ref[t, :].astype(jnp.float32)
+        k_t = k_ref[t, :].astype(jnp.float32)
+        q_t = q_t * jax.lax.rsqrt(jnp.sum(q_t * q_t) + L2_EPS) * scale
+        k_t = k_t * jax.lax.rsqrt(jnp.sum(k_t * k_t) + L2_EPS)
+        s = s * jnp.exp(g_ref[t])
+        delta = (v_ref[t, :].astype(jnp.float32) - jnp.sum(s * k_t[:, None], axis=0)) * beta_ref[t]
+        s = s + k_t[:, None] * delta[None, :]
+        o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)
+        if states_ref:
+            states_ref[0][t, :, :] = s
+    s_ref[...] = s
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("keep_states", "block_v", "interpret"))
+def gdn_recurrent_pallas(q, k, v, g, beta, state, *, keep_states: bool = False, block_v: int = 32,
+                         interpret: bool = False):
+    """The Pallas kernel; same arguments and results as `gdn_recurrent_reference`.
+
+    dk and block_v must be powers of two and block_v must divide dv (Triton's block rule); T is
+    padded to a power of two with g = beta = 0 tokens, which leave the state unchanged.
+    """
+    B, T, nk, dk = q.shape
+    nv, dv = v.shape[2], v.shape[3]
+    r, Tp = nv // nk, next_pow2(T)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+    head_major = lambda x: jnp.moveaxis(pad(x), 2, 1)  # [B, T, H, ...] -> [B, H, Tp, ...]
+    q, k, v = head_major(q), head_major(k), head_major(v)
+    g, beta = head_major(g.astype(jnp.float32)), head_major(beta.astype(jnp.float32))
+    grid = (B * nv, dv // block_v)
+    by_key_head = pl.BlockSpec((None, None, Tp, dk), lambda bh, iv: (bh // nv, (bh % nv) // r, 0, 0))
+    by_value = pl.BlockSpec((None, None, Tp, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
+    by_head = pl.BlockSpec((None, None, Tp), lambda bh, iv: (bh // nv, bh % nv, 0))
+    by_state = pl.BlockSpec((None, None, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
+    out_shape = [jax.ShapeDtypeStruct((B, nv, Tp, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+    out_specs = [by_value, by_state]
+    if keep_states:
+        out_shape.append(jax.ShapeDtypeStruct((B, nv, Tp, dk, dv), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, None, Tp, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, 0, iv)))
+    outs = pl.pallas_call(
+        functools.partial(_recurrent_kernel, T=T),
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[by_key_head, by_key_head, by_value, by_head, by_head, by_state],
+        out_specs=out_specs,
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="gdn_recurrent",
+    )(q, k, v, g, beta, state.astype(jnp.float32))
+    o = jnp.moveaxis(outs[0], 1, 2)[:, :T]
+    if keep_states:
+        return o, outs[1], jnp.moveaxis(outs[2], 1, 2)[:, :T]
+    return o, outs[1]
+
+
+def kernel_fits(q, v) -> bool:
+    """Shapes the Triton kernel takes: power-of-two dk, dv a multiple of its 32-wide blocks."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    return dk == next_pow2(dk) and dv % 32 == 0 and q.shape[1] <= MAX_UNROLL
+
+
 def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
-    """Dispatcher for the recurrent gated delta rule (see `gdn_recurrent_reference`)."""
+    """Dispatcher for the recurrent gated delta rule (see `gdn_recurrent_reference`): the Pallas
+    kernel on a GPU when the shapes fit it, the reference otherwise."""
+    if jax.default_backend() == "gpu" and kernel_fits(q, v):
+        return gdn_recurrent_pallas(q, k, v, g, beta, state, keep_states=keep_states)
     return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states)
