@@ -128,9 +128,16 @@ def kernel_fits(q, v) -> bool:
     return dk == next_pow2(dk) and dv % 32 == 0 and q.shape[1] <= MAX_UNROLL
 
 
+# Measured on the H200 (bench/kernels.py, BENCHMARKS.md): the kernel beats XLA's fused unrolled
+# scan on verify passes of 4+ tokens that keep no per-token states (1.11-1.36x in 5 of 6 head
+# layouts), and loses on single-token decode and when every state is written out.
+KERNEL_MIN_TOKENS = 4
+
+
 def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
     """Dispatcher for the recurrent gated delta rule (see `gdn_recurrent_reference`): the Pallas
-    kernel on a GPU when the shapes fit it, the reference otherwise."""
-    if jax.default_backend() == "gpu" and kernel_fits(q, v):
+    kernel on a GPU where it measured faster, the reference otherwise."""
+    wins = q.shape[1] >= KERNEL_MIN_TOKENS and not keep_states
+    if jax.default_backend() == "gpu" and wins and kernel_fits(q, v):
         return gdn_recurrent_pallas(q, k, v, g, beta, state, keep_states=keep_states)
     return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states)
