@@ -11,6 +11,7 @@ the state read and written once (plus T states written when kept), outputs writt
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 import warnings
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
+from pallas_kernels.quant_matmul import FORMATS, quant_matmul_pallas, quant_matmul_reference, quantize
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 
@@ -56,13 +58,77 @@ def gdn_case(B, T, nv, keep, rng):
             "kernel_GB_s": nbytes / t_kernel / 1e3}
 
 
+def hbm_ceiling_GB_s() -> float:
+    """Elementwise read + write of 4 GiB, counted both ways: JAX's achievable HBM bandwidth."""
+    x = jnp.ones((1 << 29,), jnp.float32) * 1.5
+    t = loop_time_us(lambda a: a * 1.0001, x, reps=20)
+    return 2 * x.nbytes / t / 1e3
+
+
+def matmul_time_us(f, x, reps=200):
+    """Time y = f(x) with a dependency through the loop so nothing is hoisted."""
+    def step(c):
+        x, acc = c
+        y = f(x)
+        acc = acc + y[0, 0].astype(jnp.float32)
+        return x + (acc * 0).astype(x.dtype), acc
+    return loop_time_us(step, (x, jnp.zeros((), jnp.float32)), reps)
+
+
+def quant_cases(rng, ceiling):
+    """Every format at the 27B MLP shape (N = 17408, K = 5120), M = 1, 8, 64 rows."""
+    N, K = 17408, 5120
+    w = jnp.asarray(rng.normal(size=(N, K)) * K ** -0.5, jnp.float32)
+    w_bf16 = w.astype(jnp.bfloat16)
+    w_fp8 = w.astype(jnp.float8_e4m3fn)
+    rows = []
+    for M in (1, 8, 64):
+        x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+        bf16_us = matmul_time_us(lambda x: x @ w_bf16.T, x)
+        fp8_us = matmul_time_us(lambda x: jax.lax.dot_general(
+            x.astype(jnp.float8_e4m3fn), w_fp8, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16), x)
+        rows.append({"op": "xla_dot", "M": M, "bf16_us": bf16_us, "fp8xfp8_us": fp8_us,
+                     "bf16_GB_s": w_bf16.nbytes / bf16_us / 1e3, "ceiling_GB_s": ceiling})
+        print(json.dumps(rows[-1]), flush=True)
+        for fmt in FORMATS:
+            qw = quantize(w, fmt)
+            wbytes = sum(a.nbytes for a in (qw.data, qw.scale))
+            want = quant_matmul_reference(x.astype(jnp.float32), qw)
+            best = None
+            for bn, bk in ((64, 128), (32, 128), (128, 128), (64, 256)):
+                if fmt == "fp8_block" and bk > 128:
+                    continue
+                try:
+                    f = functools.partial(quant_matmul_pallas, w=qw, block_n=bn, block_k=bk)
+                    got = f(x)
+                    err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+                    us = matmul_time_us(f, x)
+                except Exception as e:  # a Triton limit: report it, try the next tile
+                    print(json.dumps({"op": fmt, "M": M, "bn": bn, "bk": bk, "error": str(e)[:200]}), flush=True)
+                    continue
+                if best is None or us < best["kernel_us"]:
+                    best = {"op": f"quant_matmul_{fmt}", "M": M, "bn": bn, "bk": bk, "rel_err": err, "kernel_us": us}
+            xla_us = matmul_time_us(lambda x: quant_matmul_reference(x, qw), x)
+            if best:
+                best.update(xla_dequant_us=xla_us, weight_bytes=wbytes, weight_GB_s=wbytes / best["kernel_us"] / 1e3,
+                            of_ceiling=wbytes / best["kernel_us"] / 1e3 / ceiling, vs_bf16=bf16_us / best["kernel_us"])
+                rows.append(best)
+                print(json.dumps(best), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", choices=["gdn", "quant"], default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    for nv in (16, 32, 48):
+    if args.only != "gdn":
+        ceiling = hbm_ceiling_GB_s()
+        print(json.dumps({"hbm_ceiling_GB_s": ceiling}), flush=True)
+        rows += quant_cases(rng, ceiling)
+    for nv in (16, 32, 48) if args.only != "quant" else ():
         for B in (1, 8):
             for T, keep in ((1, False), (2, True), (4, True), (4, False)):
                 row = gdn_case(B, T, nv, keep, rng)

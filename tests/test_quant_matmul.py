@@ -1,0 +1,82 @@
+"""Quantized matmuls: the formats' dequantization, and the Pallas kernel in interpret mode against
+dequantize-then-dot (bf16 output, ~2e-3 relative)."""
+
+import warnings
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.quant_matmul import (
+    FORMATS,
+    QuantizedWeight,
+    decode_e2m1,
+    dequantize,
+    quant_matmul,
+    quant_matmul_pallas,
+    quant_matmul_reference,
+    quantize,
+)
+
+warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+N, K = 128, 256
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_all_sixteen_e2m1_codes():
+    want = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    assert decode_e2m1(jnp.arange(16, dtype=jnp.uint8)).tolist() == want
+
+
+def test_nvfp4_layout_low_nibble_is_the_even_column():
+    # Row 0: columns (0, 1) hold codes (1, 7) = (0.5, 6.0); every scale 1.0; global scale 2.
+    packed = np.zeros((1, 16), np.uint8)
+    packed[0, 0] = 1 | (7 << 4)
+    w = QuantizedWeight(jnp.asarray(packed), jnp.ones((1, 2), jnp.float8_e4m3fn), jnp.asarray(2.0, jnp.float32),
+                        "nvfp4")
+    assert dequantize(w)[0, :3].tolist() == [1.0, 12.0, 0.0]
+
+
+def test_fp8_block_scales_apply_per_128_block():
+    data = jnp.ones((256, 256), jnp.float8_e4m3fn)
+    scale = jnp.asarray([[1.0, 2.0], [3.0, 4.0]], jnp.float32)
+    d = dequantize(QuantizedWeight(data, scale, None, "fp8_block"))
+    assert [float(d[0, 0]), float(d[0, 128]), float(d[128, 0]), float(d[255, 255])] == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("fmt, tol", [("int8", 0.02), ("fp8", 0.06), ("fp8_block", 0.06), ("nvfp4", 0.2)])
+def test_quantization_error_is_what_the_format_allows(fmt, tol):
+    w = np.random.default_rng(0).normal(size=(N, K)).astype(np.float32)
+    assert rel(dequantize(quantize(w, fmt)), w) < tol
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_kernel_matches_dequantize_then_dot(fmt, M):
+    rng = np.random.default_rng(M)
+    w = quantize(rng.normal(size=(N, K)).astype(np.float32), fmt)
+    x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+    got = quant_matmul_pallas(x, w, interpret=True)
+    want = quant_matmul_reference(x.astype(jnp.float32), w)
+    assert got.shape == (M, N) and got.dtype == jnp.bfloat16
+    assert rel(got, want) < 2e-3 * 4  # bf16 output rounding plus bf16 dequantized tiles
+
+
+def test_dispatcher_on_cpu_is_the_reference():
+    w = quantize(np.random.default_rng(1).normal(size=(N, K)).astype(np.float32), "int8")
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, K)), jnp.float32)
+    np.testing.assert_array_equal(quant_matmul(x, w), quant_matmul_reference(x, w))
+
+
+def test_unknown_format():
+    with pytest.raises(ValueError, match="unknown quantization format 'int4'"):
+        quantize(np.zeros((4, 32), np.float32), "int4")
+
+
+def test_fp8_dtype_is_e4m3fn():
+    assert quantize(np.ones((4, 32), np.float32), "fp8").data.dtype == ml_dtypes.float8_e4m3fn
