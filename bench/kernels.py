@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.gdn_chunked import gdn_chunked_pallas, gdn_chunked_reference
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
 from pallas_kernels.quant_matmul import FORMATS, quant_matmul_pallas, quant_matmul_reference, quantize
 
@@ -117,18 +118,61 @@ def quant_cases(rng, ceiling):
     return rows
 
 
+def fla_time_us(q, k, v, g, beta, s0):
+    """flash-linear-attention's Triton chunked kernel on the same data (torch), if installed."""
+    try:
+        import torch
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        return {"fla_error": f"not installed: {e}"}
+    t = lambda x: torch.tensor(np.asarray(x)).cuda()
+    tq, tk, tv = t(q.astype(jnp.float32)).bfloat16(), t(k.astype(jnp.float32)).bfloat16(), t(v.astype(jnp.float32)).bfloat16()
+    tg, tb, ts = t(g), t(beta), t(s0)
+    run = lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+    try:
+        import triton.testing
+        return {"fla_us": 1e3 * triton.testing.do_bench(run, return_mode="median")}
+    except Exception as e:  # GVA layouts or API differences: report, do not guess
+        return {"fla_error": str(e)[:300]}
+
+
+def chunked_cases(rng):
+    """Chunked GDN prefill at 27B GDN shapes (16 key / 48 value heads, 128 dims), 4k and 16k tokens."""
+    rows = []
+    for T in (4096, 16384):
+        B, nk, nv, d = 1, 16, 48, 128
+        f = lambda *s, dt=jnp.bfloat16: jnp.asarray(rng.normal(size=s), dt)
+        q, k, v = f(B, T, nk, d), f(B, T, nk, d), f(B, T, nv, d)
+        g = -jnp.asarray(rng.uniform(0, 1, (B, T, nv)), jnp.float32)
+        beta = jnp.asarray(rng.uniform(size=(B, T, nv)), jnp.float32)
+        s0 = f(B, nv, d, d, dt=jnp.float32)
+        got, want = gdn_chunked_pallas(q, k, v, g, beta, s0), gdn_chunked_reference(q, k, v, g, beta, s0)
+        err = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(got, want))
+        step = lambda fn: (lambda s: fn(q, k, v, g, beta, s)[1])
+        row = {"op": "gdn_chunked", "T": T, "rel_err": err, "kernel_us": loop_time_us(step(gdn_chunked_pallas), s0, 5),
+               "xla_us": loop_time_us(step(gdn_chunked_reference), s0, 5)}
+        row.update(fla_time_us(q, k, v, g, beta, s0))
+        row["tokens_per_s"] = T / row["kernel_us"] * 1e6
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", choices=["gdn", "quant"], default=None)
+    ap.add_argument("--only", choices=["gdn", "quant", "chunked"], default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    if args.only != "gdn":
+    if args.only in (None, "chunked"):
+        rows += chunked_cases(rng)
+    if args.only in (None, "quant"):
         ceiling = hbm_ceiling_GB_s()
         print(json.dumps({"hbm_ceiling_GB_s": ceiling}), flush=True)
         rows += quant_cases(rng, ceiling)
-    for nv in (16, 32, 48) if args.only != "quant" else ():
+    for nv in (16, 32, 48) if args.only in (None, "gdn") else ():
         for B in (1, 8):
             for T, keep in ((1, False), (2, True), (4, True), (4, False)):
                 row = gdn_case(B, T, nv, keep, rng)

@@ -5,14 +5,23 @@ delta-rule writes collapse into one unit-lower-triangular solve, after which the
 and updates the state with matrix products. Chunks are then scanned in order. The result
 equals `gdn_recurrent` token for token (up to float32 rounding).
 
-`gdn_chunked` is the dispatcher the model calls. A Pallas GPU kernel will sit beside the
-reference here; until then every backend runs the reference.
+`gdn_chunked` is the dispatcher the model calls. `gdn_chunked_pallas` is the Pallas (Triton)
+kernel: one program per (row, value head, block of BV value columns) walks the chunks in order
+with its [dk, BV] state tile in float32 registers; within a chunk it forms the strictly lower
+matrix A, solves (I + A) [U | W] = [beta v | beta exp(G) k] by forward substitution row by row
+(Triton has no scratch memory), and applies the chunk's reads and state update as dots.
+It is tested in interpret mode; the dispatcher keeps the reference until the kernel has been
+compiled and measured on the H200 (see BENCHMARKS.md).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.gdn_common import prepare_qk
+from pallas_kernels.gdn_common import L2_EPS, prepare_qk
 
 CHUNK = 64
 
@@ -68,6 +77,80 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk: int = CHUNK):
     o = jnp.moveaxis(o, 0, 2)  # [B, nv, n, C, dv]
     o = jnp.moveaxis(o.reshape(B, nv, n * chunk, dv), 1, 2)[:, :T]
     return o, final
+
+
+def _dot(a, b):
+    """float32 dot at full precision (Triton would otherwise use TF32)."""
+    return jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _forward_substitute(A, rhs):
+    """Solve (I + A) X = rhs for strictly lower A [C, C], row by row: X_i = rhs_i - A_i X."""
+    C = A.shape[0]
+    rows = jax.lax.broadcasted_iota(jnp.int32, rhs.shape, 0)
+    a_rows = jax.lax.broadcasted_iota(jnp.int32, A.shape, 0)
+
+    def row(i, x):
+        a_i = jnp.sum(jnp.where(a_rows == i, A, 0.0), axis=0)  # A[i, :], zero at and above i
+        x_i = jnp.sum(jnp.where(rows == i, x, 0.0), axis=0) - jnp.sum(a_i[:, None] * x, axis=0)
+        return jnp.where(rows == i, x_i[None, :], x)
+
+    return jax.lax.fori_loop(1, C, row, rhs)
+
+
+def _chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, s_ref, *, chunk: int, n_chunks: int):
+    """One (row, value head, value block): q/k [Tp, dk], v [Tp, BV], g/beta [Tp], state [dk, BV]."""
+    dk = q_ref.shape[-1]
+    i = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+
+    def one_chunk(n, s):
+        at = pl.ds(n * chunk, chunk)
+        q = q_ref[at, :].astype(jnp.float32)
+        k = k_ref[at, :].astype(jnp.float32)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS) * dk**-0.5
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
+        v, g, beta = v_ref[at, :].astype(jnp.float32), g_ref[at], beta_ref[at]
+        G = jnp.cumsum(g)
+        decay = jnp.exp(jnp.where(j <= i, G[:, None] - G[None, :], -jnp.inf))
+        A = jnp.where(j < i, beta[:, None] * _dot(k, k.T) * decay, 0.0)
+        u = _forward_substitute(A, beta[:, None] * v)  # new values
+        w = _forward_substitute(A, (beta * jnp.exp(G))[:, None] * k)  # decayed keys reading the old state
+        v_new = u - _dot(w, s)
+        o = _dot(q * jnp.exp(G)[:, None], s) + _dot(_dot(q, k.T) * decay, v_new)
+        o_ref[at, :] = o.astype(o_ref.dtype)
+        total = jnp.sum(g)  # G at the chunk's last token
+        return s * jnp.exp(total) + _dot((k * jnp.exp(total - G)[:, None]).T, v_new)
+
+    s_ref[...] = jax.lax.fori_loop(0, n_chunks, one_chunk, s0_ref[...].astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "interpret"))
+def gdn_chunked_pallas(q, k, v, g, beta, state, *, block_v: int = 32, interpret: bool = False):
+    """The Pallas kernel; same arguments and results as `gdn_chunked_reference`. dk and block_v
+    must be powers of two and block_v must divide dv."""
+    B, T, nk, dk = q.shape
+    nv, dv = v.shape[2], v.shape[3]
+    r, Tp = nv // nk, -(-T // CHUNK) * CHUNK
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+    head_major = lambda x: jnp.moveaxis(pad(x), 2, 1)
+    q, k, v = head_major(q), head_major(k), head_major(v)
+    g, beta = head_major(g.astype(jnp.float32)), head_major(beta.astype(jnp.float32))
+    by_key_head = pl.BlockSpec((None, None, Tp, dk), lambda bh, iv: (bh // nv, (bh % nv) // r, 0, 0))
+    by_value = pl.BlockSpec((None, None, Tp, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
+    by_head = pl.BlockSpec((None, None, Tp), lambda bh, iv: (bh // nv, bh % nv, 0))
+    by_state = pl.BlockSpec((None, None, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
+    o, final = pl.pallas_call(
+        functools.partial(_chunked_kernel, chunk=CHUNK, n_chunks=Tp // CHUNK),
+        out_shape=[jax.ShapeDtypeStruct((B, nv, Tp, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)],
+        grid=(B * nv, dv // block_v),
+        in_specs=[by_key_head, by_key_head, by_value, by_head, by_head, by_state],
+        out_specs=[by_value, by_state],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="gdn_chunked",
+    )(q, k, v, g, beta, state.astype(jnp.float32))
+    return jnp.moveaxis(o, 1, 2)[:, :T], final
 
 
 def gdn_chunked(q, k, v, g, beta, state):

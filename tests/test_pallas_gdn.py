@@ -49,3 +49,26 @@ def test_three_value_heads_per_key_head_and_bf16_inputs():
     o, s = gdn_recurrent_pallas(bf(q), bf(k), bf(v), g, beta, s0, interpret=True)
     o_ref, s_ref = gdn_recurrent_reference(bf(q), bf(k), bf(v), g, beta, s0)
     assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("T", [63, 64, 65, 130])
+def test_chunked_kernel_matches_reference_across_chunk_boundaries(T):
+    from pallas_kernels.gdn_chunked import gdn_chunked_pallas, gdn_chunked_reference
+
+    args = inputs(T, B=1, nk=1, nv=2, dk=16, dv=32, seed=T)
+    o, s = gdn_chunked_pallas(*args, interpret=True)
+    o_ref, s_ref = gdn_chunked_reference(*args)
+    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+def test_chunked_kernel_ragged_rows_leave_padding_out_of_the_state():
+    from pallas_kernels.gdn_chunked import gdn_chunked_pallas
+    from pallas_kernels.gdn_recurrent import gdn_recurrent_reference
+
+    q, k, v, g, beta, s0 = inputs(70, B=2, nk=1, nv=2, dk=16, dv=32, seed=9)
+    lengths = jnp.asarray([70, 37])
+    valid = (jnp.arange(70)[None, :] < lengths[:, None])[..., None]
+    g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
+    _, s = gdn_chunked_pallas(q, k, v, g, beta, s0, interpret=True)
+    _, s_short = gdn_recurrent_reference(q[1:, :37], k[1:, :37], v[1:, :37], g[1:, :37], beta[1:, :37], s0[1:])
+    assert rel(s[1:], s_short) < 1e-5
