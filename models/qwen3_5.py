@@ -575,6 +575,10 @@ class Qwen3_5Model(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.mtp = MTPHead(cfg, dtype=dtype) if cfg.mtp_num_hidden_layers else None
 
+    def init_cache(self, batch: int, max_len: int) -> ModelCache:
+        """Empty caches for `batch` rows of up to `max_len` tokens (see `init_cache`)."""
+        return init_cache(self.cfg, batch, max_len, self.dtype)
+
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] -> [B, T, H]."""
         return self.embed_tokens[...][tokens]

@@ -1,16 +1,17 @@
 """Draft methods, one file each. Every proposer is a frozen (hashable, jit-static) dataclass with
 the same three pure methods, all run inside the jitted speculative step:
 
-    init_state(model, tokens, lengths, hidden, choose, reference) -> state
+    init_state(model, draft, tokens, lengths, hidden, choose, reference) -> state
         after prefill: tokens [B, L] buffer, lengths [B], hidden [B, T, H] the prompt's
         post-norm target hidden states, reference [B, L] (oracle only, else None).
-    propose(model, state, tokens, lengths, choose) -> (drafts [B, k], n_draft [B], q | None, state)
+    propose(model, draft, state, tokens, lengths, choose) -> (drafts [B, k], n_draft [B], q | None, state)
         q [B, k, V] are the draft probabilities when drafting is probabilistic, else None
         (the verifier then treats q as one-hot on the drafted token).
-    update(model, state, hidden, emitted, n_acc, lengths, choose) -> state
+    update(model, draft, state, hidden, emitted, n_acc, lengths, choose) -> state
         after verification: hidden [B, k+1, H] the verify pass's target hidden states,
         emitted [B, k+1] the row's new tokens (first n_acc + 1 valid), lengths [B] before them.
 
+`model` is the target; `draft` is the method's own network (None for methods without one).
 `choose(logits [B, V], positions [B]) -> (tokens [B], q [B, V] | None)` is the engine's drafting
 policy (argmax, or a draw from the row's sampling distribution), so proposers never see it.
 A proposer's own state rolls back the same way the target's does: by row length.

@@ -37,7 +37,7 @@ def pick(x: jax.Array, idx: jax.Array) -> jax.Array:
 class MTPProposer:
     k: int
 
-    def init_state(self, model: Qwen3_5Model, tokens, lengths, hidden, choose, reference=None) -> MTPState:
+    def init_state(self, model: Qwen3_5Model, draft, tokens, lengths, hidden, choose, reference=None) -> MTPState:
         B, T, _ = hidden.shape
         n = lengths - 1  # prompt lengths; the first sampled token sits at index n
         next_tokens = jnp.pad(tokens, ((0, 0), (0, 1)))[:, 1 : T + 1]
@@ -47,7 +47,7 @@ class MTPProposer:
         draft, q = choose(model.logits(last), lengths)
         return MTPState(cache, draft, last, q)
 
-    def propose(self, model: Qwen3_5Model, state: MTPState, tokens, lengths, choose):
+    def propose(self, model: Qwen3_5Model, draft, state: MTPState, tokens, lengths, choose):
         L = state.cache.k.shape[2]
         drafts, qs, h, cache = [state.draft], [state.q], state.hidden, state.cache
         ones = jnp.ones_like(lengths)
@@ -62,7 +62,7 @@ class MTPProposer:
         n_draft = jnp.full_like(lengths, self.k)
         return jnp.stack(drafts, axis=1), n_draft, q, dataclasses.replace(state, cache=cache)
 
-    def update(self, model: Qwen3_5Model, state: MTPState, hidden, emitted, n_acc, lengths, choose) -> MTPState:
+    def update(self, model: Qwen3_5Model, draft, state: MTPState, hidden, emitted, n_acc, lengths, choose) -> MTPState:
         L = state.cache.k.shape[2]
         batch = Batch(lengths - 1, n_acc + 1)
         x, cache = model.mtp(model.embed(emitted), hidden, batch, state.cache, kv_len=L)

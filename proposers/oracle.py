@@ -18,12 +18,12 @@ class OracleProposer:
     vocab_size: int
     seed: int = 0
 
-    def init_state(self, model, tokens, lengths, hidden, choose, reference=None):
+    def init_state(self, model, draft, tokens, lengths, hidden, choose, reference=None):
         if reference is None:
             raise ValueError("the oracle proposer needs the target's greedy continuation (reference tokens)")
         return reference  # [B, L]: each row's greedy continuation, indexed like the token buffer
 
-    def propose(self, model, reference, tokens, lengths, choose):
+    def propose(self, model, draft, reference, tokens, lengths, choose):
         B, L = reference.shape
         idx = jnp.minimum(lengths[:, None] + jnp.arange(self.k)[None, :], L - 1)
         drafts = jnp.take_along_axis(reference, idx, axis=1)
@@ -34,5 +34,5 @@ class OracleProposer:
         drafts = jnp.where(corrupt, (drafts + shift) % self.vocab_size, drafts)
         return drafts, jnp.full_like(lengths, self.k), None, reference
 
-    def update(self, model, reference, hidden, emitted, n_acc, lengths, choose):
+    def update(self, model, draft, reference, hidden, emitted, n_acc, lengths, choose):
         return reference

@@ -118,7 +118,7 @@ def drafting_policy(sampling: RowSampling, *, probabilistic: bool, do_sample: bo
     return choose
 
 
-def prefill(model: Qwen3_5Model, prompts, prompt_lengths, max_lengths, stop_ids, sampling: RowSampling, done,
+def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, stop_ids, sampling: RowSampling, done,
             speculate, reference, *, cache_len: int, do_sample: bool, plan: SpecPlan | None) -> DecodeState:
     """Run the prompts, sample each row's first token, and start the proposer.
 
@@ -140,11 +140,11 @@ def prefill(model: Qwen3_5Model, prompts, prompt_lengths, max_lengths, stop_ids,
     if plan is None:
         return state
     choose = drafting_policy(sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
-    pstate = plan.proposer.init_state(model, state.tokens, state.lengths, hidden, choose, reference)
+    pstate = plan.proposer.init_state(model, draft, state.tokens, state.lengths, hidden, choose, reference)
     return dataclasses.replace(state, proposer=pstate, stats=SpecStats.zeros(B, plan.k))
 
 
-def decode_step(model: Qwen3_5Model, state: DecodeState, *, do_sample: bool) -> DecodeState:
+def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bool) -> DecodeState:
     """Plain decoding: feed each live row's newest token and sample the next one."""
     B, L = state.tokens.shape
     newest = state.tokens[jnp.arange(B), state.lengths - 1][:, None]
@@ -155,7 +155,7 @@ def decode_step(model: Qwen3_5Model, state: DecodeState, *, do_sample: bool) -> 
     return dataclasses.replace(state, steps=state.steps + 1)
 
 
-def spec_step(model: Qwen3_5Model, state: DecodeState, *, plan: SpecPlan, do_sample: bool) -> DecodeState:
+def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan, do_sample: bool) -> DecodeState:
     """One speculative step: propose k drafts, verify [newest, d1..dk] in one target pass,
     accept, roll every cache back to the accepted prefix, append n_acc + 1 tokens per row.
 
@@ -165,7 +165,8 @@ def spec_step(model: Qwen3_5Model, state: DecodeState, *, plan: SpecPlan, do_sam
     B, L = state.tokens.shape
     k, rows, live = plan.k, jnp.arange(B), ~state.done
     choose = drafting_policy(state.sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
-    drafts, n_draft, q, pstate = plan.proposer.propose(model, state.proposer, state.tokens, state.lengths, choose)
+    drafts, n_draft, q, pstate = plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths,
+                                                       choose)
     # No drafting for opted-out or finished rows, nor past a row's last allowed token.
     room = jnp.maximum(state.max_lengths - state.lengths - 1, 0)
     n_draft = jnp.where(state.speculate & live, jnp.minimum(n_draft, room), 0)
@@ -177,7 +178,7 @@ def spec_step(model: Qwen3_5Model, state: DecodeState, *, plan: SpecPlan, do_sam
     n_acc, emitted = accept_drafts(model.logits(hidden), drafts, n_draft, q, state.sampling, state.lengths,
                                    do_sample=do_sample)
     cache = model.commit(cache, pending, jnp.where(live, n_acc + 1, 0))
-    pstate = plan.proposer.update(model, pstate, hidden, emitted, n_acc, state.lengths, choose)
+    pstate = plan.proposer.update(model, draft, pstate, hidden, emitted, n_acc, state.lengths, choose)
 
     s = state.stats
     accepted_at = (jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None]
@@ -187,7 +188,7 @@ def spec_step(model: Qwen3_5Model, state: DecodeState, *, plan: SpecPlan, do_sam
     return dataclasses.replace(state, proposer=pstate, stats=stats, steps=state.steps + 1)
 
 
-def decode_loop(model: Qwen3_5Model, state: DecodeState, max_steps, *, do_sample: bool,
+def decode_loop(model: Qwen3_5Model, draft, state: DecodeState, max_steps, *, do_sample: bool,
                 plan: SpecPlan | None = None) -> DecodeState:
     """Steps in a `lax.while_loop` until every row is done or `max_steps` more steps ran: the
     plain `decode_step`, or `spec_step` when a plan is given. max_steps is traced, so
@@ -199,10 +200,10 @@ def decode_loop(model: Qwen3_5Model, state: DecodeState, max_steps, *, do_sample
     def cond(s):
         return jnp.any(~s.done) & (s.steps < stop_at)
 
-    return jax.lax.while_loop(cond, partial(step, model), state)
+    return jax.lax.while_loop(cond, partial(step, model, draft), state)
 
 
-def forward_logits(model: Qwen3_5Model, tokens, length, *, cache_len: int):
+def forward_logits(model: Qwen3_5Model, draft, tokens, length, *, cache_len: int):
     """Full-sequence logits of one right-padded sequence: tokens [1, T], length [1] -> [1, T, V]."""
     cache = init_cache(model.cfg, 1, cache_len, model.dtype)
     batch = Batch(start=jnp.zeros((1,), jnp.int32), n_valid=length)
@@ -228,13 +229,15 @@ def enable_compilation_cache() -> None:
 class Engine:
     """A loaded model plus its ahead-of-time compiled executables, keyed by shape bucket."""
 
-    def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None):
+    def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None,
+                 draft=None):
+        """draft: the proposer's own network (an NNX model), if its method has one."""
         self.cfg: Qwen3_5Config = model.cfg
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.cache_len = -(-max_model_len // CHUNK) * CHUNK
         self.plan = plan
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, self.params = nnx.split((model, draft))
         self.executables = {}
 
     def batch_bucket(self, n: int) -> int:
@@ -251,7 +254,8 @@ class Engine:
             graphdef = self.graphdef
 
             def run(params, *a):
-                return fn(nnx.merge(graphdef, params), *a)
+                model, draft = nnx.merge(graphdef, params)
+                return fn(model, draft, *a)
 
             jitted = jax.jit(run, donate_argnums=tuple(i + 1 for i in donate))
             self.executables[key] = jitted.lower(self.params, *args).compile()

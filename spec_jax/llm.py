@@ -19,14 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from spec_jax.checkpoint import load_model, resolve_dtype
-from models.qwen3_5 import ROLLBACKS
+from models.qwen3_5 import CHUNK, ROLLBACKS
+from proposers.draft_model import DraftModelProposer
 from proposers.mtp import MTPProposer
 from proposers.ngram import NgramProposer
 from proposers.oracle import OracleProposer
+from spec_jax.checkpoint import load_model, read_json, resolve_dtype
 from spec_jax.engine import Engine, SpecPlan, enable_compilation_cache
-from spec_jax.spec_config import SpeculativeConfig, parse_speculative_config
 from spec_jax.sampling import RowSampling
+from spec_jax.spec_config import SpeculativeConfig, parse_speculative_config
 from spec_jax.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -134,9 +135,12 @@ class LLM:
         spec = parse_speculative_config(speculative_config, target_model=self.model_path,
                                         target_has_mtp=self.model.mtp is not None)
         self.speculative_config = spec
-        plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg), spec.num_speculative_tokens, rollback,
-                                                  spec.draft_sample_method == "probabilistic")
-        self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan)
+        draft = load_draft(spec, self.cfg, self.model.dtype) if spec is not None and spec.method == "draft_model" else None
+        cache_len = -(-self.max_model_len // CHUNK) * CHUNK
+        plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg, cache_len), spec.num_speculative_tokens,
+                                                  rollback, spec.draft_sample_method == "probabilistic")
+        self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
+                             draft=draft)
 
     def with_speculation(self, speculative_config, *, rollback: str = "replay") -> "LLM":
         """The same loaded weights with another speculative config (None: plain decoding), for
@@ -300,16 +304,33 @@ class LLM:
             state = self.engine.decode(state, steps_per_chunk, do_sample)
 
 
-def make_proposer(spec: SpeculativeConfig, cfg):
+def make_proposer(spec: SpeculativeConfig, cfg, cache_len: int):
     """The proposer object for a parsed speculative config."""
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "mtp":
         return MTPProposer(k)
+    if spec.method == "draft_model":
+        return DraftModelProposer(k, cache_len)
     if spec.method == "oracle":
         return OracleProposer(k, spec.oracle_corruption_rate, cfg.vocab_size)
     raise ValueError(f"speculative method {spec.method!r} has no proposer")
+
+
+def load_draft(spec: SpeculativeConfig, target_cfg, dtype):
+    """The draft_model checkpoint (a Qwen3.5/3.6 or a plain Qwen3 model) in the target's dtype.
+    Its vocabulary must be the target's: drafts are token ids the target verifies."""
+    model_type = read_json(Path(spec.model) / "config.json").get("model_type")
+    if model_type == "qwen3":
+        from spec_jax.checkpoint_qwen3 import load_qwen3
+        draft, cfg = load_qwen3(spec.model, dtype)
+    else:
+        draft, cfg = load_model(spec.model, dtype)
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"draft model {spec.model!r} has vocab_size {cfg.vocab_size} but the target has "
+                         f"{target_cfg.vocab_size}; draft_model needs the target's vocabulary")
+    return draft
 
 
 def request_metrics(n_prompt: int, n_gen: int, prefill_s: float, decode_s: float, stats, row: int) -> dict:

@@ -26,7 +26,8 @@ MTP_ALIASES = ("deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm
                "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp",
                "gemma4_mtp", "inkling_mtp", "glm5_next_mtp")  # all fold into "mtp"
 METHOD_ALIASES = {**{a: "mtp" for a in MTP_ALIASES}, "[ngram]": "ngram"}
-IMPLEMENTED_METHODS = ("ngram", "mtp", "oracle")
+IMPLEMENTED_METHODS = ("ngram", "mtp", "draft_model", "oracle")
+NEEDS_MODEL = ("draft_model",)  # methods whose drafter is a separate checkpoint
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
@@ -285,6 +286,8 @@ def parse_speculative_config(spec: dict | str | None, *, target_model: str | Non
             fields["num_speculative_tokens"] = MTP_N_PREDICT
     if fields.get("num_speculative_tokens") is None:
         raise ValueError(f"num_speculative_tokens is required for speculative method {method!r}")
+    if method in NEEDS_MODEL and not fields.get("model"):
+        raise ValueError(f"speculative method {method!r} needs 'model': the draft checkpoint's directory")
     config = SpeculativeConfig(**fields)
     if config.rejection_sample_method not in IMPLEMENTED_REJECTION_SAMPLE_METHODS:
         raise ValueError(f"rejection_sample_method {config.rejection_sample_method!r} is not implemented yet; "

@@ -1,0 +1,272 @@
+"""Plain Qwen3 dense language model (HF `Qwen3ForCausalLM`, model_type "qwen3") in Flax NNX.
+
+Meant as a separate draft model for speculation, so it keeps `Qwen3_5Model`'s calling convention:
+`model(tokens, batch, cache, kv_len=...)` -> (post-norm hidden, cache), `.init_cache`, `.embed`,
+`.logits`, `.commit`, `.cfg`, `.dtype`; the engine can drive either. Building blocks (Linear, MLP, RoPE,
+attention, KVCache, Batch) are the Qwen3.5 model's; what differs from Qwen3.5:
+
+* RMSNorm is the standard `x * rsqrt(mean(x^2) + eps) * w` (weight init 1), not `(1 + w)`;
+* every layer is full attention with q/k RMSNorm over head_dim and RoPE on the whole head,
+  no output gate (q_proj is [nq*d, H]), optional q/k/v/o biases (`attention_bias`);
+* no GDN layers, hence nothing to roll back after a verify pass.
+
+All layers are stacked on a leading axis and run under one `lax.scan`; the model is pure over
+an explicit `KVCache` [num_layers, B, L, kv_heads, head_dim]. Checkpoint name mapping lives in
+`spec_jax/checkpoint_qwen3.py`; attribute names mirror the HF tensor names.
+
+Shapes: B batch rows, T new tokens, L cache length, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.qwen3_5 import FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, attend, zeros_param
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """The model's config; field names are the checkpoint's `config.json` keys and defaults are
+    HF's `Qwen3Config` defaults (a key missing from config.json means what it means to HF)."""
+
+    model_type: str = "qwen3"
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128  # HF's default, not hidden_size // num_attention_heads
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; only 'silu' (SwiGLU) is implemented")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    # Qwen3_5Config's layout vocabulary, so code written for it (checkpoint naming, cache
+    # sizing) reads this config too: one full-attention layer repeated num_hidden_layers times.
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return (FULL,) * self.num_hidden_layers
+
+    @property
+    def pattern(self) -> tuple[str, ...]:
+        return (FULL,)
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.head_dim  # full rotary: HF's Qwen3 ignores partial_rotary_factor
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> "Qwen3Config":
+        """Build from a checkpoint's `config.json` dict (transformers 4 or 5 layout).
+
+        Raises ValueError naming the `model_type` when it is not "qwen3", the `rope_type` when it
+        is not default RoPE, and the layer kind when any layer uses sliding-window attention.
+        """
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; Qwen3Model runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raw = dict(config)
+        # transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` and `rope_scaling`.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"unsupported rope_type {rope_type!r}; only 'default' RoPE is implemented")
+        if "rope_theta" in rope:
+            raw["rope_theta"] = rope["rope_theta"]
+        check_full_attention(raw)
+        if raw.get("num_key_value_heads") is None and "num_attention_heads" in raw:
+            raw["num_key_value_heads"] = raw["num_attention_heads"]  # HF: no key means plain MHA
+        eos = raw.get("eos_token_id")
+        raw["eos_token_id"] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names and v is not None})
+
+
+def check_full_attention(config: dict[str, Any]) -> None:
+    """Refuse configs in which HF would run any layer with sliding-window attention."""
+    kinds = config.get("layer_types")
+    if kinds is None and config.get("use_sliding_window") and config.get("sliding_window") is not None:
+        # HF's rule when layer_types is absent: layers from max_window_layers on slide.
+        first = config.get("max_window_layers", 28)
+        kinds = [FULL if i < first else "sliding_attention" for i in range(config.get("num_hidden_layers", 32))]
+    bad = [k for k in kinds or () if k != FULL]
+    if bad:
+        raise ValueError(f"layer kind {bad[0]!r} is not supported; Qwen3Model runs only {FULL!r} layers")
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class BiasedLinear(Linear):
+    """y = x W^T + b, W [out, in] as in the checkpoint; the q/k/v/o projections when
+    `attention_bias` is set."""
+
+    def __init__(self, d_in: int, d_out: int, *, stack=(), dtype=jnp.float32):
+        super().__init__(d_in, d_out, stack=stack, dtype=dtype)
+        self.bias = zeros_param((*stack, d_out), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = super().__call__(x)
+        return y + self.bias[...].astype(y.dtype)
+
+
+class PlainRMSNorm(nnx.Module):
+    """Standard RMSNorm: x * rsqrt(mean(x^2) + eps) * w, weight kept and applied in float32.
+
+    (Qwen3.5's `RMSNorm` is zero-centred, (1 + w); Qwen3's is not.)"""
+
+    def __init__(self, dim: int, eps: float, *, stack=()):
+        self.weight = nnx.Param(jnp.ones((*stack, dim), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...]).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Full causal GQA attention with q/k RMSNorm over head_dim and full-head RoPE; no gate."""
+
+    def __init__(self, cfg: Qwen3Config, *, stack=(), dtype=jnp.float32):
+        H, d = cfg.hidden_size, cfg.head_dim
+        nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        Proj = BiasedLinear if cfg.attention_bias else Linear
+        self.cfg = cfg
+        self.q_proj = Proj(H, nq * d, stack=stack, dtype=dtype)
+        self.k_proj = Proj(H, nkv * d, stack=stack, dtype=dtype)
+        self.v_proj = Proj(H, nkv * d, stack=stack, dtype=dtype)
+        self.o_proj = Proj(nq * d, H, stack=stack, dtype=dtype)
+        self.q_norm = PlainRMSNorm(d, cfg.rms_norm_eps, stack=stack)
+        self.k_norm = PlainRMSNorm(d, cfg.rms_norm_eps, stack=stack)
+
+    def __call__(self, x: jax.Array, batch: Batch, cache: KVCache, g, kv_len: int):
+        """x: [B, T, H]. Writes layer g's K/V for the new tokens into `cache` [N, B, L, kv, d],
+        then attends over slots [0, kv_len). Returns ([B, T, H], cache)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        d = cfg.head_dim
+        q = self.q_proj(x).reshape(B, T, cfg.num_attention_heads, d)
+        k = self.k_proj(x).reshape(B, T, cfg.num_key_value_heads, d)
+        v = self.v_proj(x).reshape(B, T, cfg.num_key_value_heads, d)
+        pos = batch.positions_for(T)
+        q = apply_rope(self.q_norm(q), pos, cfg.rotary_dim, cfg.rope_theta)
+        k = apply_rope(self.k_norm(k), pos, cfg.rotary_dim, cfg.rope_theta)
+        rows = jnp.arange(B)[:, None]
+        # Padding tokens may point past the cache end: drop those writes (the rest land past the
+        # row's length, where nothing reads them before they are overwritten).
+        cache = KVCache(
+            cache.k.at[g, rows, pos].set(k.astype(cache.k.dtype), mode="drop"),
+            cache.v.at[g, rows, pos].set(v.astype(cache.v.dtype), mode="drop"),
+        )
+        keys = jax.lax.dynamic_index_in_dim(cache.k, g, keepdims=False)[:, :kv_len]
+        values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
+        o = attend(q, keys, values, pos).reshape(B, T, -1)
+        return self.o_proj(o), cache
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: Qwen3Config, *, stack=(), dtype=jnp.float32):
+        self.input_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
+        self.post_attention_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
+        self.self_attn = Attention(cfg, stack=stack, dtype=dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, stack=stack, dtype=dtype)
+
+    def __call__(self, x: jax.Array, batch: Batch, cache: KVCache, g, kv_len: int):
+        h, cache = self.self_attn(self.input_layernorm(x), batch, cache, g, kv_len)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def init_qwen3_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype) -> KVCache:
+    """Empty K/V caches for `batch` rows of up to `max_len` tokens:
+    k, v [num_hidden_layers, batch, max_len, num_key_value_heads, head_dim]."""
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+class Qwen3Model(nnx.Module):
+    """Embedding, the stacked decoder layers, final norm and lm_head (None when tied)."""
+
+    def __init__(self, cfg: Qwen3Config, *, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = zeros_param((cfg.vocab_size, cfg.hidden_size), dtype)
+        # A list of one layer stacked over all N layers: the shape of Qwen3_5Model.layers for a
+        # one-kind pattern, so parameter paths (('layers', 0, ...)) map onto HF names alike.
+        self.layers = nnx.List([DecoderLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype)])
+        self.norm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """Empty caches for `batch` rows of up to `max_len` tokens (see `init_qwen3_cache`)."""
+        return init_qwen3_cache(self.cfg, batch, max_len, self.dtype)
+
+    # Same attributes (embed_tokens, lm_head) as Qwen3_5Model, so the same code:
+    # embed: tokens [B, T] -> [B, T, H]; logits: post-norm hidden [..., H] -> float32 [..., V].
+    embed = Qwen3_5Model.embed
+    logits = Qwen3_5Model.logits
+
+    def __call__(self, tokens: jax.Array, batch: Batch, cache: KVCache, *, kv_len: int, rollback=None):
+        """Run T new tokens per row through the stack, continuing from `cache`.
+
+        tokens: [B, T] int32; batch: where they go (see `Batch`); cache: from `init_qwen3_cache`;
+        kv_len: static number of cache slots attention reads (the prompt bucket for prefill, the
+        cache length after). rollback: accepted for Qwen3_5Model's verify-pass convention and
+        ignored, since attention needs none: a row's length decides which slots are read.
+        Returns (post-norm hidden [B, T, H], cache), plus a `None` pending when rollback is set.
+        """
+        gdef, stacked = nnx.split(self.layers)
+
+        def layer(carry, xs):
+            x, cache = carry
+            g, params = xs
+            (block,) = nnx.merge(gdef, params)
+            with jax.named_scope(FULL):
+                x, cache = block(x, batch, cache, g, kv_len)
+            return (x, cache), None
+
+        layers = (jnp.arange(self.cfg.num_hidden_layers), stacked)
+        (x, cache), _ = jax.lax.scan(layer, (self.embed(tokens), cache), layers)
+        if rollback is None:
+            return self.norm(x), cache
+        return self.norm(x), cache, None
+
+    def commit(self, cache: KVCache, pending, n_used: jax.Array) -> KVCache:
+        """After a verify pass: the cache already holds all T tokens and rows' lengths decide
+        what is read, so there is nothing to commit. Returns `cache` unchanged."""
+        del pending, n_used
+        return cache

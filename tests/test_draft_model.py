@@ -1,0 +1,92 @@
+"""draft_model: a separate model drafts; greedy output equals plain decoding, the draft's own
+caches end at the accepted prefix, and a draft with another vocabulary is refused."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from conftest import HF_FIXTURES, TINY
+from models.qwen3_5 import Batch
+from spec_jax import SamplingParams
+from spec_jax.random_checkpoint import write_checkpoint
+
+GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def near_copy(tiny_dir, tmp_path_factory):
+    """The target with noise on its lm_head: agrees with it often but not always."""
+    d = tmp_path_factory.mktemp("near")
+    t = load_file(str(tiny_dir / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    t["lm_head.weight"] = t["lm_head.weight"] + 0.05 * rng.normal(size=t["lm_head.weight"].shape).astype(np.float32)
+    save_file(t, str(d / "model.safetensors"))
+    (d / "config.json").write_text((tiny_dir / "config.json").read_text())
+    return d
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 500, n).tolist() for n in (5, 17, 40)]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llm):
+    return [o.outputs[0].token_ids for o in tiny_llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)]
+
+
+def spec(draft, k):
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_llm, tiny_dir, plain):
+    llm = tiny_llm.with_speculation(spec(tiny_dir, 3))
+    outs = llm.generate(prompt_token_ids=prompts()[:1], sampling_params=GREEDY)
+    assert outs[0].outputs[0].token_ids == plain[0]
+    assert llm.metrics["acceptance_rate"] == 1.0 and llm.metrics["mean_acceptance_length"] == 4.0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_partial_acceptance_in_a_mixed_batch(tiny_llm, near_copy, plain, k):
+    llm = tiny_llm.with_speculation(spec(near_copy, k))
+    params = [GREEDY, dataclasses.replace(GREEDY, speculative=False), GREEDY]
+    outs = llm.generate(prompt_token_ids=prompts(), sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert 0.2 < llm.metrics["acceptance_rate"] < 0.95
+    assert outs[1].metrics["num_draft_tokens"] == 0
+
+
+def test_the_drafts_caches_end_at_the_accepted_prefix(tiny_llm, near_copy):
+    llm = tiny_llm.with_speculation(spec(near_copy, 3))
+    state, do_sample, _ = llm._start_batch(prompts()[2:], [GREEDY])
+    state = llm.engine.decode(state, 5, do_sample)
+    assert 0 < int(state.stats.accepted[0]) < 15
+    n = int(state.lengths[0])
+    _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    fresh = draft.init_cache(1, llm.engine.cache_len)
+    _, fresh = draft(state.tokens[:, : n - 1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])), fresh,
+                     kv_len=n - 1)
+    for got, want in zip(state.proposer.cache, fresh):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            if g.ndim == 5 and g.shape[2] == llm.engine.cache_len:  # KV: the committed slots only
+                g, w = g[:, :, : n - 1], w[:, :, : n - 1]
+            assert float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) < 1e-5
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llm, tmp_path):
+    other = write_checkpoint(tmp_path / "other", dataclasses.replace(TINY, vocab_size=256), seed=2)
+    with pytest.raises(ValueError, match="vocab_size 256 but the target has 512"):
+        tiny_llm.with_speculation(spec(other, 2))
+
+
+def test_a_plain_qwen3_draft(tiny_llm, plain):
+    """A Qwen3 (attention-only) checkpoint drafts for the Qwen3.5 target; its vocabulary matches."""
+    llm = tiny_llm.with_speculation(spec(HF_FIXTURES.parent / "qwen3", 2))
+    outs = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert llm.metrics["num_draft_tokens"] > 0
