@@ -12,6 +12,7 @@ the layer pattern's repeats and put on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -56,23 +57,27 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-def load_config(model_dir: str | os.PathLike) -> Qwen3_5Config:
-    """Read `config.json` (and `generation_config.json`'s EOS ids, if present)."""
+def read_config(model_dir: str | os.PathLike, parse):
+    """`parse(config.json dict)` -> a config dataclass with `eos_token_id`, merged with
+    `generation_config.json`'s EOS ids when present. Errors name the directory or file."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {str(model_dir)!r} does not exist")
-    raw = read_json(model_dir / "config.json")
     try:
-        cfg = Qwen3_5Config.from_hf(raw)
+        cfg = parse(read_json(model_dir / "config.json"))
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{model_dir / 'config.json'} is missing or has a malformed key: {e}") from None
     gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
+    if gen_path.exists() and hasattr(cfg, "eos_token_id"):
         eos = read_json(gen_path).get("eos_token_id")
         extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-        merged = tuple(dict.fromkeys([*cfg.eos_token_id, *extra]))
-        cfg = Qwen3_5Config(**{**cfg.__dict__, "eos_token_id": merged})
+        cfg = dataclasses.replace(cfg, eos_token_id=tuple(dict.fromkeys([*cfg.eos_token_id, *extra])))
     return cfg
+
+
+def load_config(model_dir: str | os.PathLike) -> Qwen3_5Config:
+    """Read a Qwen3.5/3.6/Next `config.json` (and `generation_config.json`'s EOS ids)."""
+    return read_config(model_dir, Qwen3_5Config.from_hf)
 
 
 # ----------------------------------------------------------------------------- tensor source
@@ -236,39 +241,28 @@ def param_sources(path: tuple, cfg: Qwen3_5Config) -> list[str]:
     return [hf_name(path, None)]
 
 
-def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, progress: bool | None = None):
-    """Load a checkpoint into an NNX model.
+def fill_params(make_model, src: TensorSource, sources, read=None, *, progress: bool | None = None):
+    """Build `make_model()` abstractly and fill every parameter from `src`.
 
-    Args:
-      model_dir: the checkpoint directory.
-      cfg: its config (see `load_config`).
-      dtype: compute dtype of the weights (norm weights, A_log and dt_bias stay float32).
-      progress: show a progress bar (default: when the checkpoint exceeds 256 MiB).
-    Returns:
-      The `Qwen3_5Model` with every parameter on the device.
-    Raises:
-      CheckpointError naming the first missing tensor or wrong shape.
+    sources(path) -> (HF names, stacked): the tensors making up the parameter at `path` (pure-dict
+    keys) and whether they stack along a new leading axis. read(name) reads one tensor (default
+    `src.get`). Shows a progress bar past 256 MiB unless `progress` says otherwise. Raises
+    CheckpointError naming the first missing tensor or wrong shape.
     """
-    src = TensorSource(model_dir)
-    if cfg.mtp_num_hidden_layers and "mtp.fc.weight" not in src:
-        # A checkpoint exported without its MTP head still runs; speculation with mtp refuses it.
-        cfg = Qwen3_5Config(**{**cfg.__dict__, "mtp_num_hidden_layers": 0})
-    model = abstract_model(cfg, dtype)
-    graphdef, state = nnx.split(model)
-    pure = nnx.to_pure_dict(state)
-    leaves = jax.tree_util.tree_flatten_with_path(pure)[0]
+    read = read or src.get
+    graphdef, state = nnx.split(nnx.eval_shape(make_model))
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
     total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for _, x in leaves)
     show = progress if progress is not None else total > PROGRESS_BAR_BYTES
     loaded = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show) as bar:
         for keypath, want in leaves:
             path = tuple(k.key for k in keypath)
-            names = param_sources(path, cfg)
-            stacked = is_stacked(path)
+            names, stacked = sources(path)
             expected = tuple(want.shape[1:] if stacked else want.shape)
             parts = []
             for name in names:
-                arr = read_tensor(src, name, cfg)
+                arr = read(name)
                 if tuple(arr.shape) != expected:
                     raise CheckpointError(
                         f"tensor {name!r} has shape {tuple(arr.shape)}, expected {expected} from config.json"
@@ -278,7 +272,23 @@ def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, prog
             set_path(loaded, path, jax.device_put(value))
             bar.update(value.nbytes)
     nnx.replace_by_pure_dict(state, loaded)
-    return nnx.merge(graphdef, state), cfg
+    return nnx.merge(graphdef, state)
+
+
+def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, progress: bool | None = None):
+    """Load a Qwen3.5/3.6/Next checkpoint into a `Qwen3_5Model`.
+
+    dtype: compute dtype of the weights (norm weights, A_log and dt_bias stay float32).
+    Returns (model, cfg); cfg loses its MTP head when the checkpoint has no `mtp.*` tensors.
+    """
+    src = TensorSource(model_dir)
+    if cfg.mtp_num_hidden_layers and "mtp.fc.weight" not in src:
+        # A checkpoint exported without its MTP head still runs; speculation with mtp refuses it.
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+    model = fill_params(lambda: Qwen3_5Model(cfg, dtype=dtype), src,
+                        lambda path: (param_sources(path, cfg), is_stacked(path)),
+                        lambda name: read_tensor(src, name, cfg), progress=progress)
+    return model, cfg
 
 
 def set_path(tree: dict, path: tuple, value) -> None:
