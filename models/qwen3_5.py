@@ -181,6 +181,17 @@ ROLLBACKS = ("checkpoint", "replay")
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class TargetOut:
+    """What drafters read from a target pass: hidden [B, T, H] the post-norm hidden states, and
+    taps [B, T, n*H] the outputs of the requested decoder layers (HF `hidden_states[id + 1]`),
+    concatenated in the order asked (None when none were asked for)."""
+
+    hidden: jax.Array
+    taps: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class GDNPending:
     """What a GDN layer keeps from a verify pass so the caller can commit any prefix of it.
 
@@ -289,21 +300,23 @@ def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float
     return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
-    """Causal GQA attention of new queries over a cache.
-
-    q: [B, T, nq, d]; k, v: [B, S, nkv, d] (cache slots 0..S-1); q_pos: [B, T] positions.
-    Slot j is visible to a query at position p iff j <= p. Returns [B, T, nq, d].
-    """
+def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """GQA attention with an explicit mask. q: [B, T, nq, d]; k, v: [B, S, nkv, d]; visible:
+    [B, T, S] bool. Returns [B, T, nq, d]."""
     B, T, nq, d = q.shape
     nkv = k.shape[2]
     qg = q.reshape(B, T, nkv, nq // nkv, d)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    visible = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
     return out.reshape(B, T, nq, d)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """Causal GQA attention of new queries over a cache: q [B, T, nq, d]; k, v [B, S, nkv, d]
+    (cache slots 0..S-1); q_pos [B, T]. Slot j is visible to a query at position p iff j <= p."""
+    return attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])
 
 
 class GatedAttention(nnx.Module):
@@ -588,7 +601,8 @@ class Qwen3_5Model(nnx.Module):
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
         return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int, rollback=None):
+    def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int, rollback=None,
+                 taps: tuple[int, ...] = ()):
         """Run T new tokens per row through the stack, continuing from `cache`.
 
         tokens: [B, T] int32; batch: where they go (see `Batch`); kv_len: static number of
@@ -596,12 +610,15 @@ class Qwen3_5Model(nnx.Module):
         rollback: None advances every cache by n_valid tokens. "checkpoint" or "replay" makes
           this a verify pass: attention K/V are written, GDN caches are left as they were, and
           the pending per-layer data is returned for `commit`.
-        Returns (post-norm hidden [B, T, H], new cache), plus the pending data when verifying.
+        taps: static decoder-layer indices whose outputs to return as `TargetOut.taps`.
+        Returns (post-norm hidden [B, T, H] — a `TargetOut` when taps are asked for — new
+        cache), plus the pending data when verifying.
         """
         gdef, stacked = nnx.split(self.layers)
+        P = len(self.cfg.pattern)
 
         def group(carry, xs):
-            x, cache = carry
+            x, cache, tapped = carry
             g, params = xs
             layers = nnx.merge(gdef, params)
             cache, pending = list(cache), []
@@ -609,13 +626,18 @@ class Qwen3_5Model(nnx.Module):
                 with jax.named_scope(f"{layer.kind}_{p}"):
                     x, cache[p], pend = layer(x, batch, cache[p], g, kv_len, rollback)
                 pending.append(pend)
-            return (x, tuple(cache)), tuple(pending)
+                tapped = tuple(jnp.where(g * P + p == i, x, t) for i, t in zip(taps, tapped))
+            return (x, tuple(cache), tapped), tuple(pending)
 
+        x = self.embed(tokens)
         groups = (jnp.arange(self.cfg.num_groups), stacked)
-        (x, cache), pending = jax.lax.scan(group, (self.embed(tokens), cache), groups)
+        (x, cache, tapped), pending = jax.lax.scan(group, (x, cache, tuple(jnp.zeros_like(x) for _ in taps)), groups)
+        hidden = self.norm(x)
+        if taps:
+            hidden = TargetOut(hidden, jnp.concatenate(tapped, axis=-1))
         if rollback is None:
-            return self.norm(x), cache
-        return self.norm(x), cache, pending
+            return hidden, cache
+        return hidden, cache, pending
 
     def commit(self, cache: ModelCache, pending: tuple, n_used: jax.Array) -> ModelCache:
         """After a verify pass, keep its first n_used [B] tokens (1..T) in every cache.

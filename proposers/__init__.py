@@ -1,14 +1,15 @@
 """Draft methods, one file each. Every proposer is a frozen (hashable, jit-static) dataclass with
 the same three pure methods, all run inside the jitted speculative step:
 
-    init_state(model, draft, tokens, lengths, hidden, choose, reference) -> state
-        after prefill: tokens [B, L] buffer, lengths [B], hidden [B, T, H] the prompt's
-        post-norm target hidden states, reference [B, L] (oracle only, else None).
+    init_state(model, draft, tokens, lengths, target, choose, reference) -> state
+        after prefill: tokens [B, L] buffer, lengths [B], target: the prompt's `TargetOut`
+        (post-norm hidden [B, T, H], and the layer taps the proposer's `taps` field asks for),
+        reference [B, L] (oracle only, else None).
     propose(model, draft, state, tokens, lengths, choose) -> (drafts [B, k], n_draft [B], q | None, state)
         q [B, k, V] are the draft probabilities when drafting is probabilistic, else None
         (the verifier then treats q as one-hot on the drafted token).
-    update(model, draft, state, hidden, emitted, n_acc, lengths, choose) -> state
-        after verification: hidden [B, k+1, H] the verify pass's target hidden states,
+    update(model, draft, state, target, emitted, n_acc, lengths, choose) -> state
+        after verification: target: the verify pass's `TargetOut` over [newest, d1..dk],
         emitted [B, k+1] the row's new tokens (first n_acc + 1 valid), lengths [B] before them.
 
 `model` is the target; `draft` is the method's own network (None for methods without one).

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from models.qwen3_5 import Batch, KVCache, Qwen3_5Model, init_mtp_cache
+from models.qwen3_5 import Batch, KVCache, Qwen3_5Model, TargetOut, init_mtp_cache
 
 
 @jax.tree_util.register_dataclass
@@ -37,7 +37,9 @@ def pick(x: jax.Array, idx: jax.Array) -> jax.Array:
 class MTPProposer:
     k: int
 
-    def init_state(self, model: Qwen3_5Model, draft, tokens, lengths, hidden, choose, reference=None) -> MTPState:
+    def init_state(self, model: Qwen3_5Model, draft, tokens, lengths, target: TargetOut, choose,
+                   reference=None) -> MTPState:
+        hidden = target.hidden
         B, T, _ = hidden.shape
         n = lengths - 1  # prompt lengths; the first sampled token sits at index n
         next_tokens = jnp.pad(tokens, ((0, 0), (0, 1)))[:, 1 : T + 1]
@@ -62,10 +64,11 @@ class MTPProposer:
         n_draft = jnp.full_like(lengths, self.k)
         return jnp.stack(drafts, axis=1), n_draft, q, dataclasses.replace(state, cache=cache)
 
-    def update(self, model: Qwen3_5Model, draft, state: MTPState, hidden, emitted, n_acc, lengths, choose) -> MTPState:
+    def update(self, model: Qwen3_5Model, draft, state: MTPState, target: TargetOut, emitted, n_acc, lengths,
+               choose) -> MTPState:
         L = state.cache.k.shape[2]
         batch = Batch(lengths - 1, n_acc + 1)
-        x, cache = model.mtp(model.embed(emitted), hidden, batch, state.cache, kv_len=L)
+        x, cache = model.mtp(model.embed(emitted), target.hidden, batch, state.cache, kv_len=L)
         last = pick(x, n_acc)
         draft, q = choose(model.logits(last), lengths + n_acc + 1)
         return MTPState(cache, draft, last, q)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.qwen3_5 import CHUNK, Batch, Qwen3_5Config, Qwen3_5Model, init_cache
+from models.qwen3_5 import CHUNK, Batch, Qwen3_5Config, Qwen3_5Model, TargetOut, init_cache
 from spec_jax.sampling import RowSampling, accept_drafts, draw, sample_tokens, warp_logits
 
 
@@ -86,6 +86,15 @@ class SpecPlan:
     probabilistic: bool = False
 
 
+def plan_taps(plan: SpecPlan | None) -> tuple[int, ...]:
+    """Target layers whose outputs the plan's proposer reads (DFlash), else none."""
+    return getattr(plan.proposer, "taps", ()) if plan is not None else ()
+
+
+def as_target_out(out) -> TargetOut:
+    return out if isinstance(out, TargetOut) else TargetOut(out)
+
+
 def append_tokens(state: DecodeState, new: jax.Array, count: jax.Array, cache) -> DecodeState:
     """Write up to `count` [B] of the tokens new [B, m] per live row, stopping after the first
     stop token and at max_lengths; then update done."""
@@ -130,8 +139,9 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     B, T = prompts.shape
     cache = init_cache(model.cfg, B, cache_len, model.dtype)
     batch = Batch(start=jnp.zeros((B,), jnp.int32), n_valid=prompt_lengths)
-    hidden, cache = model(prompts, batch, cache, kv_len=T)
-    last = hidden[jnp.arange(B), prompt_lengths - 1]
+    target, cache = model(prompts, batch, cache, kv_len=T, taps=plan_taps(plan))
+    target = as_target_out(target)
+    last = target.hidden[jnp.arange(B), prompt_lengths - 1]
     first = sample_tokens(model.logits(last), sampling, prompt_lengths, do_sample=do_sample)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :T].set(prompts)
     state = DecodeState(tokens, prompt_lengths, prompt_lengths, max_lengths, done, stop_ids, sampling, cache,
@@ -140,7 +150,7 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     if plan is None:
         return state
     choose = drafting_policy(sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
-    pstate = plan.proposer.init_state(model, draft, state.tokens, state.lengths, hidden, choose, reference)
+    pstate = plan.proposer.init_state(model, draft, state.tokens, state.lengths, target, choose, reference)
     return dataclasses.replace(state, proposer=pstate, stats=SpecStats.zeros(B, plan.k))
 
 
@@ -174,11 +184,12 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
     newest = state.tokens[rows, state.lengths - 1]
     inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
     batch = Batch(start=state.lengths - 1, n_valid=jnp.where(live, n_draft + 1, 0))
-    hidden, cache, pending = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback)
-    n_acc, emitted = accept_drafts(model.logits(hidden), drafts, n_draft, q, state.sampling, state.lengths,
+    target, cache, pending = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback, taps=plan_taps(plan))
+    target = as_target_out(target)
+    n_acc, emitted = accept_drafts(model.logits(target.hidden), drafts, n_draft, q, state.sampling, state.lengths,
                                    do_sample=do_sample)
     cache = model.commit(cache, pending, jnp.where(live, n_acc + 1, 0))
-    pstate = plan.proposer.update(model, draft, pstate, hidden, emitted, n_acc, state.lengths, choose)
+    pstate = plan.proposer.update(model, draft, pstate, target, emitted, n_acc, state.lengths, choose)
 
     s = state.stats
     accepted_at = (jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None]

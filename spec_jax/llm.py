@@ -20,14 +20,16 @@ import numpy as np
 from tqdm import tqdm
 
 from models.qwen3_5 import CHUNK, ROLLBACKS
+from proposers.dflash import DFlashProposer
 from proposers.draft_model import DraftModelProposer
 from proposers.mtp import MTPProposer
 from proposers.ngram import NgramProposer
 from proposers.oracle import OracleProposer
 from spec_jax.checkpoint import load_model, read_json, resolve_dtype
+from spec_jax.checkpoint_drafters import load_dflash
 from spec_jax.engine import Engine, SpecPlan, enable_compilation_cache
 from spec_jax.sampling import RowSampling
-from spec_jax.spec_config import SpeculativeConfig, parse_speculative_config
+from spec_jax.spec_config import NEEDS_MODEL, SpeculativeConfig, parse_speculative_config
 from spec_jax.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -135,10 +137,11 @@ class LLM:
         spec = parse_speculative_config(speculative_config, target_model=self.model_path,
                                         target_has_mtp=self.model.mtp is not None)
         self.speculative_config = spec
-        draft = load_draft(spec, self.cfg, self.model.dtype) if spec is not None and spec.method == "draft_model" else None
+        draft = load_draft(spec, self.cfg, self.model.dtype) if spec is not None and spec.method in NEEDS_MODEL else None
         cache_len = -(-self.max_model_len // CHUNK) * CHUNK
-        plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg, cache_len), spec.num_speculative_tokens,
-                                                  rollback, spec.draft_sample_method == "probabilistic")
+        plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg, cache_len, draft),
+                                                  spec.num_speculative_tokens, rollback,
+                                                  spec.draft_sample_method == "probabilistic")
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
                              draft=draft)
 
@@ -304,8 +307,8 @@ class LLM:
             state = self.engine.decode(state, steps_per_chunk, do_sample)
 
 
-def make_proposer(spec: SpeculativeConfig, cfg, cache_len: int):
-    """The proposer object for a parsed speculative config."""
+def make_proposer(spec: SpeculativeConfig, cfg, cache_len: int, draft=None):
+    """The proposer object for a parsed speculative config (draft: its loaded network, if any)."""
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -313,14 +316,24 @@ def make_proposer(spec: SpeculativeConfig, cfg, cache_len: int):
         return MTPProposer(k)
     if spec.method == "draft_model":
         return DraftModelProposer(k, cache_len)
+    if spec.method == "dflash":
+        d = draft.cfg
+        if k != d.block_size - 1:
+            raise ValueError(f"num_speculative_tokens={k} but the DFlash drafter {spec.model!r} drafts block_size - 1 "
+                             f"= {d.block_size - 1} tokens per block; set num_speculative_tokens to {d.block_size - 1}")
+        return DFlashProposer(k, d.target_layer_ids, d.mask_token_id, d.input_embedding_scale, d.output_multiplier,
+                              d.final_logit_softcapping)
     if spec.method == "oracle":
         return OracleProposer(k, spec.oracle_corruption_rate, cfg.vocab_size)
     raise ValueError(f"speculative method {spec.method!r} has no proposer")
 
 
 def load_draft(spec: SpeculativeConfig, target_cfg, dtype):
-    """The draft_model checkpoint (a Qwen3.5/3.6 or a plain Qwen3 model) in the target's dtype.
-    Its vocabulary must be the target's: drafts are token ids the target verifies."""
+    """The drafter's network in the target's dtype: a DFlash drafter, or for draft_model a
+    Qwen3.5/3.6 or plain Qwen3 model whose vocabulary must be the target's (drafts are token ids
+    the target verifies)."""
+    if spec.method == "dflash":
+        return load_dflash(spec.model, target_cfg, dtype)[0]
     model_type = read_json(Path(spec.model) / "config.json").get("model_type")
     if model_type == "qwen3":
         from spec_jax.checkpoint_qwen3 import load_qwen3

@@ -104,3 +104,34 @@ def write_checkpoint(out_dir: str | Path, cfg: Qwen3_5Config, *, seed: int = 0, 
     (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, vl_wrapped=vl_wrapped), indent=2))
     return out_dir
 
+
+
+def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0) -> Path:
+    """A random DFlash drafter in z-lab's layout (config.json with `dflash_config`, safetensors
+    named `fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.self_attn.*`, ...)."""
+    from models.dflash import DFlashDraft
+    from spec_jax.checkpoint_drafters import dflash_sources
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    _, state = nnx.split(nnx.eval_shape(lambda: DFlashDraft(cfg)))
+    tensors = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
+        names, stacked = dflash_sources(tuple(k.key for k in keypath), cfg)
+        shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
+        for name in names:
+            value = random_value(name, shape, rng)
+            tensors[name] = (value + 1.0 if "norm" in name else value).astype(np.float32)  # plain RMSNorm: ~1
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.vocab_size,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "is_causal": False,
+        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": list(cfg.target_layer_ids)},
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir

@@ -1,0 +1,143 @@
+"""DFlash (z-lab): a block-diffusion drafter that drafts a whole block in one pass.
+
+A few Qwen3-style layers read the block [anchor, MASK x (block_size - 1)] (embedded with the
+target's embedding) bidirectionally, plus a context: the outputs of several target layers at
+every committed position, concatenated, projected by `fc` and normed (`hidden_norm`). Every
+layer attends over its own K/V of that context (k_proj / v_proj applied to the context feature)
+followed by the block's K/V. The block's outputs at positions 1.. go through the final `norm`
+and the target's lm_head: block_size - 1 drafts. Checkpoint names are z-lab's: `fc.weight`,
+`hidden_norm.weight`, `norm.weight`, `layers.{i}.*` as in Qwen3 (plain RMSNorm, q/k norms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.qwen3 import PlainRMSNorm
+from models.qwen3_5 import MLP, KVCache, Linear, apply_rope, attend_masked
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """z-lab's config keys: the Qwen3 layer geometry at the top level, the drafter's own keys
+    in `dflash_config` (which wins where both give one)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    vocab_size: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> "DFlashConfig":
+        """Build from a DFlash checkpoint's `config.json`; refuses what we do not run (DFlash2's
+        convolutions and candidate selector, sliding-window or causal layers)."""
+        arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
+        if arch != "DFlashDraftModel":
+            raise ValueError(f"unsupported DFlash architecture {arch!r}; spec_jax runs DFlashDraftModel")
+        merged = {**config, **(config.get("dflash_config") or {})}
+        if "sliding_attention" in (config.get("layer_types") or []) or config.get("is_causal"):
+            raise ValueError("DFlash drafters with sliding-window or causal layers are not supported")
+        rope = config.get("rope_parameters") or {}
+        merged.setdefault("rope_theta", rope.get("rope_theta", 1e6))
+        if merged.get("head_dim") is None:
+            merged["head_dim"] = merged["hidden_size"] // merged["num_attention_heads"]
+        for key in ("target_layer_ids", "mask_token_id"):
+            if merged.get(key) is None:
+                raise ValueError(f"DFlash config is missing {key!r} (in dflash_config)")
+        merged["target_layer_ids"] = tuple(merged["target_layer_ids"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in merged.items() if k in names and v is not None})
+
+
+class DFlashLayer(nnx.Module):
+    """A Qwen3 decoder layer whose attention also reads the context's K/V, bidirectionally."""
+
+    def __init__(self, cfg: DFlashConfig, *, stack=(), dtype=jnp.float32):
+        H, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.input_layernorm = PlainRMSNorm(H, cfg.rms_norm_eps, stack=stack)
+        self.post_attention_layernorm = PlainRMSNorm(H, cfg.rms_norm_eps, stack=stack)
+        self.q_proj = Linear(H, cfg.num_attention_heads * d, stack=stack, dtype=dtype)
+        self.k_proj = Linear(H, cfg.num_key_value_heads * d, stack=stack, dtype=dtype)
+        self.v_proj = Linear(H, cfg.num_key_value_heads * d, stack=stack, dtype=dtype)
+        self.o_proj = Linear(cfg.num_attention_heads * d, H, stack=stack, dtype=dtype)
+        self.q_norm = PlainRMSNorm(d, cfg.rms_norm_eps, stack=stack)
+        self.k_norm = PlainRMSNorm(d, cfg.rms_norm_eps, stack=stack)
+        self.mlp = MLP(H, cfg.intermediate_size, stack=stack, dtype=dtype)
+
+    def keys_values(self, x, positions):
+        """x [B, T, H] -> roped, normed keys and values [B, T, kv, d]."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, T, -1, self.cfg.head_dim))
+        v = self.v_proj(x).reshape(B, T, -1, self.cfg.head_dim)
+        return apply_rope(k, positions, self.cfg.head_dim, self.cfg.rope_theta), v
+
+    def __call__(self, x, positions, ctx_k, ctx_v, ctx_visible):
+        """x: [B, T, H] the block; ctx_k/v: [B, S, kv, d]; ctx_visible: [B, S] bool."""
+        B, T, _ = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_norm(self.q_proj(h).reshape(B, T, -1, self.cfg.head_dim))
+        q = apply_rope(q, positions, self.cfg.head_dim, self.cfg.rope_theta)
+        k, v = self.keys_values(h, positions)
+        keys, values = jnp.concatenate([ctx_k, k], axis=1), jnp.concatenate([ctx_v, v], axis=1)
+        visible = jnp.concatenate([ctx_visible, jnp.ones((B, T), bool)], axis=1)[:, None, :]
+        o = attend_masked(q, keys, values, jnp.broadcast_to(visible, (B, T, keys.shape[1])))
+        x = x + self.o_proj(o.reshape(B, T, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nnx.Module):
+    """The drafter: `context_kv` turns target taps into per-layer context K/V; `block` runs a
+    block against that context."""
+
+    def __init__(self, cfg: DFlashConfig, *, dtype=jnp.float32):
+        H = cfg.hidden_size
+        self.cfg = cfg
+        self.dtype = dtype
+        self.fc = Linear(len(cfg.target_layer_ids) * H, H, dtype=dtype)
+        self.hidden_norm = PlainRMSNorm(H, cfg.rms_norm_eps)
+        self.norm = PlainRMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nnx.List([DFlashLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype)])
+
+    def _scan(self, fn, xs_extra, init):
+        gdef, params = nnx.split(self.layers[0])
+        return jax.lax.scan(lambda c, xs: fn(nnx.merge(gdef, xs[0]), c, *xs[1:]), init, (params, *xs_extra))
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """Context K/V of every layer: [layers, B, L, kv, d]."""
+        c = self.cfg
+        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
+        return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+    def context_kv(self, taps, positions):
+        """taps [B, T, n*H] (target layer outputs) at positions [B, T] -> K, V [layers, B, T, kv, d]."""
+        ctx = self.hidden_norm(self.fc(taps.astype(self.dtype)))
+        _, (k, v) = self._scan(lambda layer, c: (c, layer.keys_values(ctx, positions)), (), None)
+        return k, v
+
+    def block(self, x, positions, cache: KVCache, ctx_len):
+        """x [B, T, H] the embedded block at positions [B, T]; context slots < ctx_len [B] are
+        visible. Returns the post-norm hidden [B, T, H]."""
+        visible = jnp.arange(cache.k.shape[2])[None, :] < ctx_len[:, None]
+
+        def layer_fn(layer, x, k, v):
+            return layer(x, positions, k, v, visible), None
+
+        x, _ = self._scan(layer_fn, (cache.k, cache.v), x.astype(self.dtype))
+        return self.norm(x)

@@ -1,0 +1,59 @@
+"""DFlash drafting: one non-autoregressive pass of the block [newest, MASK x k] over the
+context of every committed position's target-layer features (z-lab's block diffusion drafter).
+
+The context K/V lives in the drafter's own cache, one slot per position. After each verify
+pass the verified positions' features (the target's taps) are written to their slots; a row's
+length decides which slots are read, so rollback is the length, as for attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from models.qwen3_5 import KVCache, TargetOut
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashProposer:
+    """k = block_size - 1 drafts; taps: the target layers the drafter reads; mask_token_id;
+    scales from the drafter's config."""
+
+    k: int
+    taps: tuple[int, ...]
+    mask_token_id: int
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def _write_context(self, draft, cache: KVCache, taps, start) -> KVCache:
+        """Context K/V of taps [B, T, n*H] into slots start [B] + 0..T-1."""
+        B, T = taps.shape[:2]
+        pos = start[:, None] + jnp.arange(T)[None, :]
+        k, v = draft.context_kv(taps, pos)
+        rows = jnp.arange(B)[:, None]
+        return KVCache(cache.k.at[:, rows, pos].set(k.astype(cache.k.dtype), mode="drop"),
+                       cache.v.at[:, rows, pos].set(v.astype(cache.v.dtype), mode="drop"))
+
+    def init_state(self, model, draft, tokens, lengths, target: TargetOut, choose, reference=None) -> KVCache:
+        cache = draft.init_cache(tokens.shape[0], tokens.shape[1])
+        return self._write_context(draft, cache, target.taps, jnp.zeros_like(lengths))
+
+    def propose(self, model, draft, cache: KVCache, tokens, lengths, choose):
+        B = tokens.shape[0]
+        newest = tokens[jnp.arange(B), lengths - 1]
+        block = jnp.concatenate([newest[:, None], jnp.full((B, self.k), self.mask_token_id, jnp.int32)], axis=1)
+        positions = lengths[:, None] - 1 + jnp.arange(self.k + 1)[None, :]
+        x = model.embed(block) * self.input_embedding_scale
+        h = draft.block(x, positions, cache, lengths - 1)  # the context is every committed position
+        logits = model.logits(h[:, 1:]) * self.output_multiplier
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
+        picks = [choose(logits[:, j], lengths + j) for j in range(self.k)]
+        q = None if picks[0][1] is None else jnp.stack([p[1] for p in picks], axis=1)
+        return jnp.stack([p[0] for p in picks], axis=1), jnp.full_like(lengths, self.k), q, cache
+
+    def update(self, model, draft, cache: KVCache, target: TargetOut, emitted, n_acc, lengths, choose) -> KVCache:
+        return self._write_context(draft, cache, target.taps, lengths - 1)

@@ -1,0 +1,48 @@
+"""Loading drafter checkpoints in their published layouts (z-lab DFlash), checked against the
+target they will draft for."""
+
+from __future__ import annotations
+
+import os
+
+from models.dflash import DFlashConfig, DFlashDraft
+from models.qwen3_5 import Qwen3_5Config
+from spec_jax.checkpoint import TensorSource, fill_params, read_config, resolve_dtype
+
+ATTENTION_PARAMS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+
+
+def dflash_sources(path: tuple, cfg: DFlashConfig) -> tuple[list[str], bool]:
+    """Our parameter path -> z-lab's tensor names (and whether they stack over layers).
+    ('layers', 0, 'q_proj', 'weight') -> 'layers.{i}.self_attn.q_proj.weight'."""
+    if path[0] != "layers":
+        return [".".join(map(str, path))], False
+    rest = [str(p) for p in path[2:]]
+    if rest[0] in ATTENTION_PARAMS:
+        rest = ["self_attn", *rest]
+    return [".".join(["layers", str(i), *rest]) for i in range(cfg.num_hidden_layers)], True
+
+
+def check_dflash_fits(cfg: DFlashConfig, target: Qwen3_5Config, where: str) -> None:
+    """A drafter must read the target's hidden size, existing layers and vocabulary."""
+    if cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"DFlash drafter {where} has hidden_size {cfg.hidden_size} but the target has "
+                         f"{target.hidden_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        raise ValueError(f"DFlash drafter {where} taps target layer {bad[0]}, but the target has layers "
+                         f"0..{target.num_hidden_layers - 1}")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ValueError(f"DFlash drafter {where} has mask_token_id {cfg.mask_token_id} outside the target's "
+                         f"vocabulary of {target.vocab_size}")
+
+
+def load_dflash(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="float32"):
+    """A z-lab DFlash checkpoint -> (DFlashDraft, DFlashConfig), refused by name if it does not fit
+    `target`."""
+    cfg = read_config(model_dir, DFlashConfig.from_hf)
+    check_dflash_fits(cfg, target, repr(str(model_dir)))
+    dtype = resolve_dtype(dtype)
+    model = fill_params(lambda: DFlashDraft(cfg, dtype=dtype), TensorSource(model_dir),
+                        lambda path: dflash_sources(path, cfg))
+    return model, cfg

@@ -1,0 +1,118 @@
+"""DFlash: the target's layer taps match HF's hidden_states, the drafter runs inside the step with
+greedy output equal to plain decoding, its context cache follows the committed prefix, and
+drafters that do not fit the target are refused by name."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+
+from conftest import HF_FIXTURES
+from models.dflash import DFlashConfig
+from models.qwen3_5 import Batch, TargetOut, init_cache
+from spec_jax import SamplingParams
+from spec_jax.checkpoint import load_model
+from spec_jax.random_checkpoint import write_dflash_checkpoint
+
+GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+DRAFTER = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, target_layer_ids=(1, 4, 6), mask_token_id=510,
+                       block_size=4, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(tmp_path_factory):
+    return write_dflash_checkpoint(tmp_path_factory.mktemp("dflash"), DRAFTER, seed=2)
+
+
+def spec(d, k=3):
+    return {"method": "dflash", "model": str(d), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("case", ["dense_vl", "moe_vl"])
+def test_layer_taps_are_hfs_hidden_states(case):
+    ref = np.load(HF_FIXTURES / case / "reference.npz")
+    model, cfg = load_model(HF_FIXTURES / case, "float32")
+    ids = jnp.asarray(ref["input_ids"])[None]
+    L = cfg.num_hidden_layers
+    out, _ = model(ids, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([32])), init_cache(cfg, 1, 64, jnp.float32),
+                   kv_len=32, taps=tuple(range(L)))
+    assert isinstance(out, TargetOut)
+    taps = np.asarray(out.taps[0]).reshape(32, L, -1).transpose(1, 0, 2)  # [L, T, H]
+    want = ref["hidden_states"]  # HF: layer i's output at i; the last one after the final norm
+    for i in range(L - 1):
+        assert np.linalg.norm(taps[i] - want[i]) / np.linalg.norm(want[i]) < 1e-5
+    last = np.asarray(model.norm(jnp.asarray(taps[-1])))
+    assert np.linalg.norm(last - want[-1]) / np.linalg.norm(want[-1]) < 1e-5
+
+
+def test_checkpoint_uses_z_labs_names(dflash_dir):
+    with safe_open(str(dflash_dir / "model.safetensors"), "numpy") as f:
+        names = set(f.keys())
+    for name in ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_proj.weight",
+                 "layers.0.self_attn.k_norm.weight", "layers.0.mlp.down_proj.weight", "layers.1.input_layernorm.weight"):
+        assert name in names
+    cfg = json.loads((dflash_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [1, 4, 6]
+
+
+def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, dflash_dir):
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, 500, n).tolist() for n in (5, 17, 40)]
+    plain = [o.outputs[0].token_ids for o in tiny_llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)]
+    llm = tiny_llm.with_speculation(spec(dflash_dir))
+    alone = llm.generate(prompt_token_ids=ids[:1], sampling_params=GREEDY)
+    assert alone[0].outputs[0].token_ids == plain[0]
+    mixed = llm.generate(prompt_token_ids=ids, sampling_params=[GREEDY, dataclasses.replace(GREEDY, speculative=False),
+                                                                 GREEDY])
+    assert [o.outputs[0].token_ids for o in mixed] == plain
+    assert llm.metrics["num_draft_tokens"] > 0 and len(llm.metrics["acceptance_per_position"]) == 3
+
+
+def test_context_cache_holds_the_committed_prefix(tiny_llm, dflash_dir):
+    """After several steps, the drafter's context K/V equals what a fresh pass over the whole
+    committed sequence gives (rejected positions were overwritten or are past the length)."""
+    llm = tiny_llm.with_speculation(spec(dflash_dir))
+    state, do_sample, _ = llm._start_batch([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY])
+    state = llm.engine.decode(state, 4, do_sample)
+    n = int(state.lengths[0]) - 1  # committed positions
+    model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    out, _ = model(state.tokens[:, :n], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n])),
+                   init_cache(model.cfg, 1, n, jnp.float32), kv_len=n, taps=DRAFTER.target_layer_ids)
+    k, v = draft.context_kv(out.taps, jnp.arange(n)[None])
+    for got, want in ((state.proposer.k[:, :, :n], k), (state.proposer.v[:, :, :n], v)):
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=32, num_attention_heads=2), "hidden_size 32 but the target has 64"),
+    (dict(target_layer_ids=(1, 8)), "taps target layer 8, but the target has layers 0..7"),
+    (dict(mask_token_id=600), "mask_token_id 600 outside the target's vocabulary of 512"),
+])
+def test_drafters_that_do_not_fit_are_refused(tiny_llm, tmp_path, change, message):
+    d = write_dflash_checkpoint(tmp_path / "bad", dataclasses.replace(DRAFTER, **change))
+    with pytest.raises(ValueError, match=message):
+        tiny_llm.with_speculation(spec(d))
+
+
+def test_k_must_match_the_block(tiny_llm, dflash_dir):
+    with pytest.raises(ValueError, match="num_speculative_tokens=5 but the DFlash drafter .* drafts block_size - 1 = 3"):
+        tiny_llm.with_speculation(spec(dflash_dir, 5))
+
+
+def test_dflash2_is_refused(tiny_llm, dflash_dir, tmp_path):
+    d = tmp_path / "d2"
+    d.mkdir()
+    cfg = json.loads((dflash_dir / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlash2DraftModel"]}))
+    with pytest.raises(ValueError, match="unsupported DFlash architecture 'DFlash2DraftModel'"):
+        tiny_llm.with_speculation(spec(d))
+
+
+def test_dflash_needs_its_model(tiny_llm):
+    with pytest.raises(ValueError, match="'dflash' needs 'model'"):
+        tiny_llm.with_speculation({"method": "dflash", "num_speculative_tokens": 3})
