@@ -135,3 +135,48 @@ def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0) -> Path:
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write small random checkpoints in the published layouts, for tests and benchmarks:
+
+        python -m spec_jax.random_checkpoint target DIR [--moe] [--text-only] [--seed N]
+        python -m spec_jax.random_checkpoint dflash DIR --target TARGET_DIR [--block-size 4]
+    """
+    import argparse
+
+    from models.dflash import DFlashConfig
+    from spec_jax.checkpoint import load_config
+
+    ap = argparse.ArgumentParser(prog="python -m spec_jax.random_checkpoint", description=main.__doc__.split("\n")[0])
+    ap.add_argument("kind", choices=["target", "dflash"])
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--moe", action="store_true", help="target: a sparse-MoE model")
+    ap.add_argument("--text-only", action="store_true", help="target: model.* names instead of VL-wrapped")
+    ap.add_argument("--target", help="dflash: the target checkpoint the drafter must fit")
+    ap.add_argument("--block-size", type=int, default=4)
+    args = ap.parse_args(argv)
+    if args.kind == "target":
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        cfg = Qwen3_5Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                            mtp_num_hidden_layers=1, eos_token_id=(511,), **(moe if args.moe else {}))
+        write_checkpoint(args.out, cfg, seed=args.seed, vl_wrapped=not args.text_only)
+    else:
+        if not args.target:
+            ap.error("dflash needs --target TARGET_DIR (the drafter's geometry follows the target's)")
+        t = load_config(args.target)
+        L = t.num_hidden_layers
+        taps = tuple(sorted({1, L // 2, L - 2}))
+        cfg = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=2 * t.hidden_size, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=t.hidden_size // 4,
+                           target_layer_ids=taps, mask_token_id=t.vocab_size - 2, block_size=args.block_size,
+                           vocab_size=t.vocab_size)
+        write_dflash_checkpoint(args.out, cfg, seed=args.seed)
+    print(f"wrote a random {args.kind} checkpoint to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

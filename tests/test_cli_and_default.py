@@ -47,3 +47,14 @@ def test_generate_command_speculates(capsys):
     assert rc == 0
     assert str(ref["greedy_ids"][:8].tolist()) in out.out
     assert "speculation mtp: acceptance rate" in out.err
+
+
+def test_random_checkpoint_script_writes_loadable_target_and_drafter(tmp_path):
+    from spec_jax.random_checkpoint import main as write
+
+    write(["target", str(tmp_path / "t"), "--text-only"])
+    write(["dflash", str(tmp_path / "d"), "--target", str(tmp_path / "t")])
+    llm = LLM(model=str(tmp_path / "t"), dtype="float32", max_model_len=64, max_num_seqs=1,
+              speculative_config={"method": "dflash", "model": str(tmp_path / "d"), "num_speculative_tokens": 3})
+    out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=5, temperature=0))
+    assert len(out[0].outputs[0].token_ids) >= 1
