@@ -33,8 +33,8 @@ class DraftModelProposer:
     k: int
     cache_len: int
 
-    def init_state(self, model, draft, tokens, lengths, hidden, choose, reference=None) -> DraftState:
-        B, T = tokens.shape[0], hidden.shape[1]
+    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None) -> DraftState:
+        B, T = tokens.shape[0], target.hidden.shape[1]  # the prompt bucket
         cache = draft.init_cache(B, self.cache_len)
         _, cache = draft(tokens[:, :T], Batch(jnp.zeros_like(lengths), lengths - 1), cache, kv_len=T)
         return DraftState(cache, tokens[jnp.arange(B), lengths - 1])
@@ -52,7 +52,7 @@ class DraftModelProposer:
         q = None if qs[0] is None else jnp.stack(qs, axis=1)
         return jnp.stack(drafts, axis=1), jnp.full_like(lengths, self.k), q, DraftState(state.cache, newest)
 
-    def update(self, model, draft, state: DraftState, hidden, emitted, n_acc, lengths, choose) -> DraftState:
+    def update(self, model, draft, state: DraftState, target, emitted, n_acc, lengths, choose) -> DraftState:
         inputs = jnp.concatenate([state.newest[:, None], emitted[:, :-1]], axis=1)  # newest, accepted drafts
         _, cache = draft(inputs, Batch(lengths - 1, n_acc + 1), state.cache, kv_len=self.cache_len)
         return DraftState(cache, state.newest)

@@ -75,12 +75,12 @@ class NgramProposer:
     n_min: int
     n_max: int
 
-    def init_state(self, model, draft, tokens, lengths, hidden, choose, reference=None):
+    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None):
         return ()
 
     def propose(self, model, draft, state, tokens, lengths, choose):
         drafts, n_draft = ngram_propose(tokens, lengths, k=self.k, n_min=self.n_min, n_max=self.n_max)
         return drafts, n_draft, None, state
 
-    def update(self, model, draft, state, hidden, emitted, n_acc, lengths, choose):
+    def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
         return state

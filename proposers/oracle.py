@@ -18,7 +18,7 @@ class OracleProposer:
     vocab_size: int
     seed: int = 0
 
-    def init_state(self, model, draft, tokens, lengths, hidden, choose, reference=None):
+    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None):
         if reference is None:
             raise ValueError("the oracle proposer needs the target's greedy continuation (reference tokens)")
         return reference  # [B, L]: each row's greedy continuation, indexed like the token buffer
@@ -34,5 +34,5 @@ class OracleProposer:
         drafts = jnp.where(corrupt, (drafts + shift) % self.vocab_size, drafts)
         return drafts, jnp.full_like(lengths, self.k), None, reference
 
-    def update(self, model, draft, reference, hidden, emitted, n_acc, lengths, choose):
+    def update(self, model, draft, reference, target, emitted, n_acc, lengths, choose):
         return reference
