@@ -1,4 +1,4 @@
-"""DFlash (z-lab): a block-diffusion drafter that drafts a whole block in one pass.
+"""DFlash (z-lab) and DSpark (DeepSeek): block drafters that draft a whole block in one pass.
 
 A few Qwen3-style layers read the block [anchor, MASK x (block_size - 1)] (embedded with the
 target's embedding) bidirectionally, plus a context: the outputs of several target layers at
@@ -7,6 +7,14 @@ layer attends over its own K/V of that context (k_proj / v_proj applied to the c
 followed by the block's K/V. The block's outputs at positions 1.. go through the final `norm`
 and the target's lm_head: block_size - 1 drafts. Checkpoint names are z-lab's: `fc.weight`,
 `hidden_norm.weight`, `norm.weight`, `layers.{i}.*` as in Qwen3 (plain RMSNorm, q/k norms).
+
+DSpark is the same backbone plus a low-rank Markov head (`markov_head.markov_w1` [V, r],
+`markov_head.markov_w2` [V, r]) whose bias W2 W1[previous token] is added to each position's
+logits while sampling left to right; with `sample_from_anchor` every query, the anchor
+included, predicts the token after it. Its configs come natively (`Qwen3DSparkModel`, flat
+keys) or in the Speculators layout (`speculators_model_type: dspark`, the layer geometry under
+`transformer_layer_config`, `aux_hidden_state_layer_ids` counted as the hidden state entering
+a layer, so one more than our layer index).
 """
 
 from __future__ import annotations
@@ -42,15 +50,38 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    markov_rank: int = 0  # DSpark's Markov head (0: none, plain DFlash)
+    markov_head_type: str = "vanilla"
+    sample_from_anchor: bool = False  # DSpark: every query predicts the next token
+    draft_vocab_size: int | None = None
+
+    @property
+    def method(self) -> str:
+        return "dspark" if self.markov_rank else "dflash"
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "DFlashConfig":
-        """Build from a DFlash checkpoint's `config.json`; refuses what we do not run (DFlash2's
-        convolutions and candidate selector, sliding-window or causal layers)."""
+        """Build from a DFlash or DSpark checkpoint's `config.json` (z-lab, native DeepSeek or
+        Speculators layout); refuses what we do not run (DFlash2's convolutions and candidate
+        selector, sliding-window or causal layers, gated/RNN Markov heads, reduced vocabularies)."""
+        if config.get("speculators_model_type") == "dspark":
+            config = speculators_to_native(config)
         arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
-        if arch != "DFlashDraftModel":
-            raise ValueError(f"unsupported DFlash architecture {arch!r}; spec_jax runs DFlashDraftModel")
-        merged = {**config, **(config.get("dflash_config") or {})}
+        if arch not in ("DFlashDraftModel", "Qwen3DSparkModel"):
+            raise ValueError(f"unsupported drafter architecture {arch!r}; spec_jax runs DFlashDraftModel and "
+                             f"Qwen3DSparkModel")
+        merged = {**config, **(config.get("dflash_config") or {}), **(config.get("dspark_config") or {})}
+        if arch == "Qwen3DSparkModel":
+            merged.setdefault("sample_from_anchor", True)
+            if not merged.get("markov_rank"):
+                raise ValueError("DSpark config is missing 'markov_rank'")
+        if merged.get("markov_rank") and merged.get("markov_head_type", "vanilla") != "vanilla":
+            raise ValueError(f"markov_head_type {merged['markov_head_type']!r} is not supported; spec_jax runs the "
+                             f"vanilla Markov head (as vLLM does at inference)")
+        draft_vocab = merged.get("draft_vocab_size")
+        if draft_vocab is not None and merged.get("vocab_size") is not None and draft_vocab < merged["vocab_size"]:
+            raise ValueError(f"reduced-vocabulary drafters (draft_vocab_size {draft_vocab} < vocab_size "
+                             f"{merged['vocab_size']}, with a d2t table) are not supported")
         if "sliding_attention" in (config.get("layer_types") or []) or config.get("is_causal"):
             raise ValueError("DFlash drafters with sliding-window or causal layers are not supported")
         rope = config.get("rope_parameters") or {}
@@ -63,6 +94,33 @@ class DFlashConfig:
         merged["target_layer_ids"] = tuple(merged["target_layer_ids"])
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in merged.items() if k in names and v is not None})
+
+
+def speculators_to_native(config: dict[str, Any]) -> dict[str, Any]:
+    """A Speculators-layout DSpark config -> the native keys. Speculators count an aux layer id
+    as the hidden state entering that layer (vLLM's capture point): our layer index is id - 1."""
+    layer = dict(config.get("transformer_layer_config") or {})
+    if not layer:
+        raise ValueError("Speculators DSpark config is missing 'transformer_layer_config'")
+    aux = config.get("aux_hidden_state_layer_ids")
+    if not aux:
+        raise ValueError("Speculators DSpark config is missing 'aux_hidden_state_layer_ids'")
+    keys = ("block_size", "mask_token_id", "markov_rank", "markov_head_type", "draft_vocab_size", "sample_from_anchor")
+    return {**layer, **{k: config[k] for k in keys if k in config}, "architectures": ["Qwen3DSparkModel"],
+            "target_layer_ids": [i - 1 for i in aux]}
+
+
+class MarkovHead(nnx.Module):
+    """DSpark's vanilla Markov head: bias(prev) = W2 W1[prev], W1 [V, r] (an embedding),
+    W2 [V, r] (a linear r -> V)."""
+
+    def __init__(self, vocab: int, rank: int, *, dtype=jnp.float32):
+        self.markov_w1 = nnx.Param(jnp.zeros((vocab, rank), dtype))
+        self.markov_w2 = Linear(rank, vocab, dtype=dtype)
+
+    def __call__(self, prev: jax.Array) -> jax.Array:
+        """prev [B] token ids -> float32 bias [B, V]."""
+        return self.markov_w2(self.markov_w1[...][prev]).astype(jnp.float32)
 
 
 class DFlashLayer(nnx.Module):
@@ -114,6 +172,8 @@ class DFlashDraft(nnx.Module):
         self.hidden_norm = PlainRMSNorm(H, cfg.rms_norm_eps)
         self.norm = PlainRMSNorm(H, cfg.rms_norm_eps)
         self.layers = nnx.List([DFlashLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype)])
+        vocab = cfg.draft_vocab_size or cfg.vocab_size
+        self.markov_head = MarkovHead(vocab, cfg.markov_rank, dtype=dtype) if cfg.markov_rank else None
 
     def _scan(self, fn, xs_extra, init):
         gdef, params = nnx.split(self.layers[0])

@@ -27,6 +27,14 @@ class DFlashProposer:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
 
+    def scaled_logits(self, logits):
+        """The drafter's output multiplier and soft cap on the target lm_head's logits."""
+        logits = logits * self.output_multiplier
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
+
     def _write_context(self, draft, cache: KVCache, taps, start) -> KVCache:
         """Context K/V of taps [B, T, n*H] into slots start [B] + 0..T-1."""
         B, T = taps.shape[:2]
@@ -47,10 +55,7 @@ class DFlashProposer:
         positions = lengths[:, None] - 1 + jnp.arange(self.k + 1)[None, :]
         x = model.embed(block) * self.input_embedding_scale
         h = draft.block(x, positions, cache, lengths - 1)  # the context is every committed position
-        logits = model.logits(h[:, 1:]) * self.output_multiplier
-        if self.final_logit_softcapping:
-            cap = self.final_logit_softcapping
-            logits = jnp.tanh(logits / cap) * cap
+        logits = self.scaled_logits(model.logits(h[:, 1:]))
         picks = [choose(logits[:, j], lengths + j) for j in range(self.k)]
         q = None if picks[0][1] is None else jnp.stack([p[1] for p in picks], axis=1)
         return jnp.stack([p[0] for p in picks], axis=1), jnp.full_like(lengths, self.k), q, cache

@@ -1,5 +1,5 @@
-"""Loading drafter checkpoints in their published layouts (z-lab DFlash), checked against the
-target they will draft for."""
+"""Loading drafter checkpoints in their published layouts (z-lab DFlash; DSpark native and
+Speculators), checked against the target they will draft for."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ ATTENTION_PARAMS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 
 
 def dflash_sources(path: tuple, cfg: DFlashConfig) -> tuple[list[str], bool]:
-    """Our parameter path -> z-lab's tensor names (and whether they stack over layers).
-    ('layers', 0, 'q_proj', 'weight') -> 'layers.{i}.self_attn.q_proj.weight'."""
+    """Our parameter path -> the published tensor names (and whether they stack over layers).
+    ('layers', 0, 'q_proj', 'weight') -> 'layers.{i}.self_attn.q_proj.weight';
+    ('markov_head', 'markov_w1') -> 'markov_head.markov_w1.weight' (an embedding's weight)."""
+    if path == ("markov_head", "markov_w1"):
+        return ["markov_head.markov_w1.weight"], False
     if path[0] != "layers":
         return [".".join(map(str, path))], False
     rest = [str(p) for p in path[2:]]
@@ -26,20 +29,20 @@ def dflash_sources(path: tuple, cfg: DFlashConfig) -> tuple[list[str], bool]:
 def check_dflash_fits(cfg: DFlashConfig, target: Qwen3_5Config, where: str) -> None:
     """A drafter must read the target's hidden size, existing layers and vocabulary."""
     if cfg.hidden_size != target.hidden_size:
-        raise ValueError(f"DFlash drafter {where} has hidden_size {cfg.hidden_size} but the target has "
+        raise ValueError(f"{cfg.method} drafter {where} has hidden_size {cfg.hidden_size} but the target has "
                          f"{target.hidden_size}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_hidden_layers]
     if bad:
-        raise ValueError(f"DFlash drafter {where} taps target layer {bad[0]}, but the target has layers "
+        raise ValueError(f"{cfg.method} drafter {where} taps target layer {bad[0]}, but the target has layers "
                          f"0..{target.num_hidden_layers - 1}")
     if not 0 <= cfg.mask_token_id < target.vocab_size:
-        raise ValueError(f"DFlash drafter {where} has mask_token_id {cfg.mask_token_id} outside the target's "
+        raise ValueError(f"{cfg.method} drafter {where} has mask_token_id {cfg.mask_token_id} outside the target's "
                          f"vocabulary of {target.vocab_size}")
 
 
 def load_dflash(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="float32"):
-    """A z-lab DFlash checkpoint -> (DFlashDraft, DFlashConfig), refused by name if it does not fit
-    `target`."""
+    """A DFlash or DSpark checkpoint -> (DFlashDraft, DFlashConfig), refused by name if it does not
+    fit `target`."""
     cfg = read_config(model_dir, DFlashConfig.from_hf)
     check_dflash_fits(cfg, target, repr(str(model_dir)))
     dtype = resolve_dtype(dtype)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from models.qwen3_5 import CHUNK, ROLLBACKS
 from proposers.dflash import DFlashProposer
 from proposers.draft_model import DraftModelProposer
+from proposers.dspark import DSparkProposer
 from proposers.mtp import MTPProposer
 from proposers.ngram import NgramProposer
 from proposers.oracle import OracleProposer
@@ -316,13 +317,21 @@ def make_proposer(spec: SpeculativeConfig, cfg, cache_len: int, draft=None):
         return MTPProposer(k)
     if spec.method == "draft_model":
         return DraftModelProposer(k, cache_len)
-    if spec.method == "dflash":
+    if spec.method in ("dflash", "dspark"):
         d = draft.cfg
-        if k != d.block_size - 1:
-            raise ValueError(f"num_speculative_tokens={k} but the DFlash drafter {spec.model!r} drafts block_size - 1 "
-                             f"= {d.block_size - 1} tokens per block; set num_speculative_tokens to {d.block_size - 1}")
-        return DFlashProposer(k, d.target_layer_ids, d.mask_token_id, d.input_embedding_scale, d.output_multiplier,
-                              d.final_logit_softcapping)
+        if d.method != spec.method:
+            raise ValueError(f"{spec.model!r} is a {d.method} drafter, not {spec.method}; set method to {d.method!r}")
+        scales = (d.input_embedding_scale, d.output_multiplier, d.final_logit_softcapping)
+        if spec.method == "dflash":
+            if k != d.block_size - 1:
+                raise ValueError(f"num_speculative_tokens={k} but the DFlash drafter {spec.model!r} drafts "
+                                 f"block_size - 1 = {d.block_size - 1} tokens per block; set num_speculative_tokens "
+                                 f"to {d.block_size - 1}")
+            return DFlashProposer(k, d.target_layer_ids, d.mask_token_id, *scales)
+        if k < d.block_size:
+            raise ValueError(f"num_speculative_tokens={k} is below the DSpark drafter's block_size {d.block_size}; "
+                             f"a shorter block drafts wrong tokens, so set it to at least {d.block_size}")
+        return DSparkProposer(k, d.target_layer_ids, d.mask_token_id, *scales, sample_from_anchor=d.sample_from_anchor)
     if spec.method == "oracle":
         return OracleProposer(k, spec.oracle_corruption_rate, cfg.vocab_size)
     raise ValueError(f"speculative method {spec.method!r} has no proposer")
@@ -332,7 +341,7 @@ def load_draft(spec: SpeculativeConfig, target_cfg, dtype):
     """The drafter's network in the target's dtype: a DFlash drafter, or for draft_model a
     Qwen3.5/3.6 or plain Qwen3 model whose vocabulary must be the target's (drafts are token ids
     the target verifies)."""
-    if spec.method == "dflash":
+    if spec.method in ("dflash", "dspark"):
         return load_dflash(spec.model, target_cfg, dtype)[0]
     model_type = read_json(Path(spec.model) / "config.json").get("model_type")
     if model_type == "qwen3":

@@ -106,9 +106,39 @@ def write_checkpoint(out_dir: str | Path, cfg: Qwen3_5Config, *, seed: int = 0, 
 
 
 
-def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0) -> Path:
-    """A random DFlash drafter in z-lab's layout (config.json with `dflash_config`, safetensors
-    named `fc.weight`, `hidden_norm.weight`, `norm.weight`, `layers.{i}.self_attn.*`, ...)."""
+def drafter_config_json(cfg, layout: str) -> dict:
+    """The config.json of a block drafter in a published layout: "dflash" (z-lab), "dspark"
+    (native DeepSeek `Qwen3DSparkModel`) or "speculators" (vLLM Speculators' DSpark)."""
+    layers = {
+        "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+    }
+    markov = {"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
+              "confidence_head_with_markov": True}
+    if layout == "dflash":
+        return {"architectures": ["DFlashDraftModel"], **layers, "is_causal": False,
+                "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                                  "target_layer_ids": list(cfg.target_layer_ids)}}
+    if layout == "dspark":
+        return {"architectures": ["Qwen3DSparkModel"], **layers, **markov, "block_size": cfg.block_size,
+                "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    return {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
+            "transformer_layer_config": layers, **markov, "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.vocab_size,
+            "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # the hidden entering layer i + 1
+            "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy",
+                                                         "speculative_tokens": cfg.block_size}],
+                                   "verifier": {"name_or_path": "random-target", "architectures": []}}}
+
+
+def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, layout: str = "dflash") -> Path:
+    """A random block drafter: DFlash in z-lab's layout, or DSpark (cfg.markov_rank > 0) in the
+    native or Speculators layout. Tensors: `fc.weight`, `hidden_norm.weight`, `norm.weight`,
+    `layers.{i}.self_attn.*`, ..., and for DSpark `markov_head.markov_w{1,2}.weight` and
+    `confidence_head.proj.*` (which inference does not use)."""
     from models.dflash import DFlashDraft
     from spec_jax.checkpoint_drafters import dflash_sources
 
@@ -123,17 +153,11 @@ def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0) -> Path:
         for name in names:
             value = random_value(name, shape, rng)
             tensors[name] = (value + 1.0 if "norm" in name else value).astype(np.float32)  # plain RMSNorm: ~1
+    if cfg.markov_rank:
+        tensors["confidence_head.proj.weight"] = rng.normal(size=(1, cfg.hidden_size + cfg.markov_rank)).astype(np.float32)
+        tensors["confidence_head.proj.bias"] = np.zeros((1,), np.float32)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.vocab_size,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "is_causal": False,
-        "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-                          "target_layer_ids": list(cfg.target_layer_ids)},
-    }
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(drafter_config_json(cfg, layout), indent=2))
     return out_dir
 
 

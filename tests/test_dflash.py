@@ -109,7 +109,7 @@ def test_dflash2_is_refused(tiny_llm, dflash_dir, tmp_path):
     d.mkdir()
     cfg = json.loads((dflash_dir / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlash2DraftModel"]}))
-    with pytest.raises(ValueError, match="unsupported DFlash architecture 'DFlash2DraftModel'"):
+    with pytest.raises(ValueError, match="unsupported drafter architecture 'DFlash2DraftModel'"):
         tiny_llm.with_speculation(spec(d))
 
 

@@ -82,7 +82,7 @@ def test_all_thirteen_vllm_methods_are_known():
     assert len(VLLM_METHODS) == 13
     for method in VLLM_METHODS:
         assert canonical_method(method) == method
-    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "dflash", "oracle")
+    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "dflash", "dspark", "oracle")
 
 
 def test_config_is_frozen_and_hashable():
