@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.qwen3_5 import FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, attend, zeros_param
+from models.qwen3_5 import FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, cached_attention, zeros_param
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
@@ -180,17 +180,8 @@ class Attention(nnx.Module):
         pos = batch.positions_for(T)
         q = apply_rope(self.q_norm(q), pos, cfg.rotary_dim, cfg.rope_theta)
         k = apply_rope(self.k_norm(k), pos, cfg.rotary_dim, cfg.rope_theta)
-        rows = jnp.arange(B)[:, None]
-        # Padding tokens may point past the cache end: drop those writes (the rest land past the
-        # row's length, where nothing reads them before they are overwritten).
-        cache = KVCache(
-            cache.k.at[g, rows, pos].set(k.astype(cache.k.dtype), mode="drop"),
-            cache.v.at[g, rows, pos].set(v.astype(cache.v.dtype), mode="drop"),
-        )
-        keys = jax.lax.dynamic_index_in_dim(cache.k, g, keepdims=False)[:, :kv_len]
-        values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
-        o = attend(q, keys, values, pos).reshape(B, T, -1)
-        return self.o_proj(o), cache
+        o, cache = cached_attention(q, k, v, pos, cache, g, kv_len)
+        return self.o_proj(o.reshape(B, T, -1)), cache
 
 
 class DecoderLayer(nnx.Module):

@@ -319,6 +319,22 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Ar
     return attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])
 
 
+def cached_attention(q, k, v, positions, cache: KVCache, g, kv_len: int):
+    """Write repeat g's new K/V (k, v [B, T, kv, d] at positions [B, T]) into the stacked cache
+    [G, B, L, kv, d], then attend q [B, T, nq, d] causally over slots [0, kv_len).
+    Returns (o [B, T, nq, d], cache)."""
+    rows = jnp.arange(q.shape[0])[:, None]
+    # Padding tokens may point past the cache end: drop those writes (the rest land past the
+    # row's length, where nothing reads them before real tokens overwrite them).
+    cache = KVCache(
+        cache.k.at[g, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
+        cache.v.at[g, rows, positions].set(v.astype(cache.v.dtype), mode="drop"),
+    )
+    keys = jax.lax.dynamic_index_in_dim(cache.k, g, keepdims=False)[:, :kv_len]
+    values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
+    return attend(q, keys, values, positions), cache
+
+
 class GatedAttention(nnx.Module):
     """Full attention with a per-head sigmoid output gate, q/k norms and partial RoPE."""
 
@@ -347,15 +363,8 @@ class GatedAttention(nnx.Module):
         pos = batch.positions_for(T)
         q = apply_rope(self.q_norm(q), pos, cfg.rotary_dim, cfg.rope_theta)
         k = apply_rope(self.k_norm(k), pos, cfg.rotary_dim, cfg.rope_theta)
-        rows = jnp.arange(B)[:, None]
-        # Padding tokens may point past the cache end: drop those writes.
-        cache = KVCache(
-            cache.k.at[g, rows, pos].set(k.astype(cache.k.dtype), mode="drop"),
-            cache.v.at[g, rows, pos].set(v.astype(cache.v.dtype), mode="drop"),
-        )
-        keys = jax.lax.dynamic_index_in_dim(cache.k, g, keepdims=False)[:, :kv_len]
-        values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
-        o = attend(q, keys, values, pos).reshape(B, T, -1)
+        o, cache = cached_attention(q, k, v, pos, cache, g, kv_len)
+        o = o.reshape(B, T, -1)
         o = o * jax.nn.sigmoid(gate.reshape(B, T, -1).astype(jnp.float32)).astype(o.dtype)
         return self.o_proj(o), cache, None
 
