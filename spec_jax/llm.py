@@ -263,8 +263,9 @@ class LLM:
         plain = self._plain_engine
         tokens, lengths, max_lengths, stop_ids, sampling, done = inputs
         no_stop = jnp.full_like(stop_ids, -1)
-        full = jnp.full_like(max_lengths, self.max_model_len)
-        state = plain.prefill(tokens, lengths, full, no_stop, sampling, done, jnp.zeros_like(done), None, do_sample)
+        # As far as any draft of the speculative run can reach: its last step drafts k past its limit.
+        reach = jnp.minimum(max_lengths + self.engine.plan.k, self.max_model_len)
+        state = plain.prefill(tokens, lengths, reach, no_stop, sampling, done, jnp.zeros_like(done), None, do_sample)
         return plain.decode(state, self.max_model_len, do_sample).tokens
 
     def _run_batch(self, prompts, ids, params) -> list[RequestOutput]:
