@@ -1,11 +1,14 @@
 """Loading drafter checkpoints in their published layouts (z-lab DFlash; DSpark native and
-Speculators), checked against the target they will draft for."""
+Speculators; EAGLE-3 Speculators), checked against the target they will draft for."""
 
 from __future__ import annotations
 
 import os
 
+import dataclasses
+
 from models.dflash import DFlashConfig, DFlashDraft
+from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.qwen3_5 import Qwen3_5Config
 from spec_jax.checkpoint import TensorSource, fill_params, read_config, resolve_dtype
 
@@ -48,4 +51,45 @@ def load_dflash(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="floa
     dtype = resolve_dtype(dtype)
     model = fill_params(lambda: DFlashDraft(cfg, dtype=dtype), TensorSource(model_dir),
                         lambda path: dflash_sources(path, cfg))
+    return model, cfg
+
+
+EAGLE3_LAYER_NORMS = {"input_layernorm", "hidden_norm", "post_attention_layernorm"}
+
+
+def eagle3_sources(path: tuple) -> tuple[list[str], bool]:
+    """Our EAGLE-3 parameter path -> Speculators' names ('layers', 0, 'q_proj', 'weight') ->
+    'layers.0.self_attn.q_proj.weight'; ('embed_tokens',) -> 'embed_tokens.weight'."""
+    if path == ("embed_tokens",):
+        return ["embed_tokens.weight"], False
+    if path[0] != "layers":
+        return [".".join(map(str, path))], False
+    rest = [str(p) for p in path[2:]]
+    if rest[0] in ATTENTION_PARAMS:
+        rest = ["self_attn", *rest]
+    return [".".join(["layers", "0", *rest])], False
+
+
+def load_eagle3(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="float32"):
+    """A Speculators EAGLE-3 checkpoint -> (Eagle3Draft, Eagle3Config), refused by name if it
+    does not fit `target`. Original EAGLE-3 names (`midlayer.*`) are read as `layers.0.*`."""
+    src = TensorSource(model_dir)
+    cfg = read_config(model_dir, Eagle3Config.from_hf).with_target(target.num_hidden_layers, target.hidden_size)
+    cfg = dataclasses.replace(cfg, has_embedding="embed_tokens.weight" in src)
+    where = repr(str(model_dir))
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"EAGLE-3 head {where} has vocab_size {cfg.vocab_size} but the target has {target.vocab_size}")
+    if cfg.target_hidden_size != target.hidden_size:
+        raise ValueError(f"EAGLE-3 head {where} reads target_hidden_size {cfg.target_hidden_size} but the target has "
+                         f"{target.hidden_size}")
+    if not cfg.has_embedding and cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"EAGLE-3 head {where} has hidden_size {cfg.hidden_size} and no embed_tokens of its own; "
+                         f"sharing the target's embedding needs the target's hidden_size {target.hidden_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if len(cfg.target_layer_ids) != 3 or bad:
+        raise ValueError(f"EAGLE-3 head {where} taps target layers {list(cfg.target_layer_ids)}; it needs three of "
+                         f"0..{target.num_hidden_layers - 1}")
+    read = lambda name: src.get(name if name in src or not name.startswith("layers.0.")
+                                else "midlayer." + name[len("layers.0."):])
+    model = fill_params(lambda: Eagle3Draft(cfg, dtype=resolve_dtype(dtype)), src, eagle3_sources, read)
     return model, cfg

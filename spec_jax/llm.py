@@ -23,11 +23,12 @@ from models.qwen3_5 import CHUNK, ROLLBACKS
 from proposers.dflash import DFlashProposer
 from proposers.draft_model import DraftModelProposer
 from proposers.dspark import DSparkProposer
+from proposers.eagle3 import Eagle3Proposer
 from proposers.mtp import MTPProposer
 from proposers.ngram import NgramProposer
 from proposers.oracle import OracleProposer
 from spec_jax.checkpoint import load_model, read_json, resolve_dtype
-from spec_jax.checkpoint_drafters import load_dflash
+from spec_jax.checkpoint_drafters import load_dflash, load_eagle3
 from spec_jax.engine import Engine, SpecPlan, enable_compilation_cache
 from spec_jax.sampling import RowSampling
 from spec_jax.spec_config import NEEDS_MODEL, SpeculativeConfig, parse_speculative_config
@@ -318,6 +319,8 @@ def make_proposer(spec: SpeculativeConfig, cfg, cache_len: int, draft=None):
         return MTPProposer(k)
     if spec.method == "draft_model":
         return DraftModelProposer(k, cache_len)
+    if spec.method == "eagle3":
+        return Eagle3Proposer(k, draft.cfg.target_layer_ids)
     if spec.method in ("dflash", "dspark"):
         d = draft.cfg
         if d.method != spec.method:
@@ -344,6 +347,8 @@ def load_draft(spec: SpeculativeConfig, target_cfg, dtype):
     the target verifies)."""
     if spec.method in ("dflash", "dspark"):
         return load_dflash(spec.model, target_cfg, dtype)[0]
+    if spec.method == "eagle3":
+        return load_eagle3(spec.model, target_cfg, dtype)[0]
     model_type = read_json(Path(spec.model) / "config.json").get("model_type")
     if model_type == "qwen3":
         from spec_jax.checkpoint_qwen3 import load_qwen3

@@ -161,6 +161,45 @@ def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, layout: 
     return out_dir
 
 
+def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer_names: bool = False) -> Path:
+    """A random EAGLE-3 head in the Speculators layout. With cfg.draft_vocab_size < vocab_size it
+    gets a reduced vocabulary: `d2t` maps draft id d to target id d + d2t[d] (a random sorted
+    subset). midlayer_names: name the layer `midlayer.*` as the original EAGLE-3 release does."""
+    from models.eagle3 import Eagle3Draft
+    from spec_jax.checkpoint_drafters import eagle3_sources
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    _, state = nnx.split(nnx.eval_shape(lambda: Eagle3Draft(cfg)))
+    tensors = {}
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
+        (name,), _ = eagle3_sources(tuple(k.key for k in keypath))
+        if name == "d2t":
+            ids = np.sort(rng.choice(cfg.vocab_size, cfg.draft_vocab_size, replace=False))
+            tensors[name] = (ids - np.arange(cfg.draft_vocab_size)).astype(np.int64)
+            continue
+        value = random_value(name, tuple(leaf.shape), rng)
+        value = value + 1.0 if "norm" in name else value  # plain RMSNorm: ~1
+        if midlayer_names and name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0."):]
+        tensors[name] = value.astype(np.float32)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    layer = {"model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+             "num_hidden_layers": 1, "num_attention_heads": cfg.num_attention_heads,
+             "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+             "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta}
+    config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+              "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size,
+              "norm_before_residual": cfg.norm_before_residual, "target_hidden_size": cfg.target_hidden_size,
+              "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids] or None,
+              "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                     "verifier": {"name_or_path": "random-target", "architectures": []}}}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> None:
     """Write small random checkpoints in the published layouts, for tests and benchmarks:
 

@@ -26,8 +26,8 @@ MTP_ALIASES = ("deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm
                "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp",
                "gemma4_mtp", "inkling_mtp", "glm5_next_mtp")  # all fold into "mtp"
 METHOD_ALIASES = {**{a: "mtp" for a in MTP_ALIASES}, "[ngram]": "ngram"}
-IMPLEMENTED_METHODS = ("ngram", "mtp", "draft_model", "dflash", "dspark", "oracle")
-NEEDS_MODEL = ("draft_model", "dflash", "dspark")  # methods whose drafter is a separate checkpoint
+IMPLEMENTED_METHODS = ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "oracle")
+NEEDS_MODEL = ("draft_model", "eagle3", "dflash", "dspark")  # methods whose drafter is a separate checkpoint
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")

@@ -82,7 +82,7 @@ def test_all_thirteen_vllm_methods_are_known():
     assert len(VLLM_METHODS) == 13
     for method in VLLM_METHODS:
         assert canonical_method(method) == method
-    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "dflash", "dspark", "oracle")
+    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "oracle")
 
 
 def test_config_is_frozen_and_hashable():
@@ -117,7 +117,7 @@ def test_inferred_ngram_parses():
     assert (cfg.method, cfg.prompt_lookup_min) == ("ngram", 5)
 
 
-@pytest.mark.parametrize("model, method", [("pkg.Prop", "custom_class"), ("RedHatAI/Qwen3-8B-eagle3", "eagle3")])
+@pytest.mark.parametrize("model, method", [("pkg.Prop", "custom_class"), ("yuhuili/EAGLE-LLaMA3-Instruct-8B", "eagle")])
 def test_inferred_method_not_implemented(model, method):
     with pytest.raises(ValueError, match=f"speculative method '{method}' is not implemented yet"):
         parse({"model": model, "num_speculative_tokens": 3})
