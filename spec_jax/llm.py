@@ -115,7 +115,12 @@ class LLM:
         resolve_dtype(dtype)
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
-        parse_speculative_config(speculative_config, target_model=model)  # fail fast, before loading weights
+        spec = parse_speculative_config(speculative_config, target_model=model)  # fail fast, before loading
+        if str(model).endswith(".gguf"):
+            if spec is not None and spec.method == "dspark":
+                raise ValueError(f"speculative method 'dspark' needs a safetensors target, not the GGUF file {model!r}")
+            raise ValueError(f"{model!r} is a GGUF file; GGUF targets are not supported yet, pass an HF safetensors "
+                             f"directory")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be at least 1")
         enable_compilation_cache()

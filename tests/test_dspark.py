@@ -110,3 +110,10 @@ def test_unsupported_dspark_configs(tiny_llm, tmp_path, change, message):
     (d / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(ValueError, match=message):
         tiny_llm.with_speculation(spec(d))
+
+
+def test_a_gguf_target_is_refused_for_dspark(tmp_path, dspark_dir):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="'dspark' needs a safetensors target, not the GGUF file"):
+        LLM(model=str(gguf), speculative_config=spec(dspark_dir))
