@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from models.dflash import DFlashConfig
-from spec_jax import SamplingParams
+from spec_jax import LLM, SamplingParams
 from spec_jax.random_checkpoint import write_dflash_checkpoint
 
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
