@@ -139,7 +139,8 @@ def test_mtp_refused_on_a_checkpoint_without_mtp():
                                         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
                                         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,'
                                          ' "prompt_lookup_max": 2}', "prompt_lookup_min"),
-                                        ('{"method": "eagle3", "num_speculative_tokens": 2}', "not implemented"),
+                                        ('{"method": "medusa", "num_speculative_tokens": 2}', "not implemented"),
+                                        ('{"method": "eagle3", "num_speculative_tokens": 2}', "needs 'model'"),
                                         ('{"method": "mtp", ', "not valid JSON")])
 def test_bad_configs_fail_at_load(tiny_dir, bad, field):
     with pytest.raises(ValueError, match=field):
