@@ -298,6 +298,11 @@ def set_path(tree: dict, path: tuple, value) -> None:
 
 
 def load_model(model_dir: str | os.PathLike, dtype="float32", *, progress: bool | None = None):
-    """Config + weights: returns (Qwen3_5Model, Qwen3_5Config)."""
+    """Config + weights: returns (Qwen3_5Model, Qwen3_5Config). A directory written by
+    `spec-jax convert` is restored with Orbax instead of converted again."""
+    from spec_jax.convert import is_converted, restore
+
+    if is_converted(model_dir):
+        return restore(model_dir, dtype if isinstance(dtype, str) else None)
     cfg = load_config(model_dir)
     return load_params(model_dir, cfg, resolve_dtype(dtype), progress=progress)

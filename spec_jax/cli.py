@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--stop-token-ids", default=None, help="comma-separated extra stop token ids")
     gen.add_argument("--ignore-eos", action="store_true")
+    conv = sub.add_parser("convert", help="save a checkpoint's converted parameters with Orbax for fast loading")
+    conv.add_argument("--model", required=True, help="the HF safetensors checkpoint directory")
+    conv.add_argument("--output", required=True, help="an empty or new directory")
+    conv.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     return parser
 
 
@@ -88,10 +92,18 @@ def generate(args) -> None:
               f"{a['num_accepted_tokens']}/{a['num_draft_tokens']} drafts accepted]", file=sys.stderr)
 
 
+def convert(args) -> None:
+    from spec_jax.convert import convert as write
+
+    t0 = time.perf_counter()
+    out = write(args.model, args.output, args.dtype)
+    print(f"converted {args.model} to {out} in {time.perf_counter() - t0:.1f}s; load it with --model {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": generate}[args.command](args)
+        {"generate": generate, "convert": convert}[args.command](args)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,76 @@
+"""`spec-jax convert`: write a checkpoint's converted parameters with orbax-checkpoint, so that
+loading it again restores the arrays (already mapped, stacked and cast) instead of converting.
+
+    spec-jax convert --model SRC --output DIR [--dtype bfloat16]
+    LLM(model=DIR)
+
+DIR holds `params/` (Orbax), the source's config.json, generation_config.json and
+tokenizer.json, and `spec_jax.json` saying how it was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from spec_jax.checkpoint import CheckpointError, load_config, load_model, read_json, resolve_dtype
+
+MARKER = "spec_jax.json"
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+def is_converted(model_dir: str | os.PathLike) -> bool:
+    return (Path(model_dir) / MARKER).exists()
+
+
+def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16") -> Path:
+    """Load `src` (HF safetensors) in `dtype` and save it under `out` for fast restores."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output directory {str(out)!r} is not empty")
+    model, cfg = load_model(src, dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((out / "params").absolute(), nnx.to_pure_dict(nnx.state(model)))
+    checkpointer.wait_until_finished()
+    for name in COPIED:
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, out / name)
+    marker = {"format": "orbax", "dtype": dtype, "source": str(src), "mtp": cfg.mtp_num_hidden_layers > 0}
+    (out / MARKER).write_text(json.dumps(marker, indent=2))
+    return out
+
+
+def restore(model_dir: str | os.PathLike, dtype: str | None = None):
+    """A converted directory -> (Qwen3_5Model, Qwen3_5Config), restored in the dtype it was saved
+    in and cast if another is asked for."""
+    from models.qwen3_5 import Qwen3_5Model
+
+    model_dir = Path(model_dir)
+    marker = read_json(model_dir / MARKER)
+    if marker.get("format") != "orbax":
+        raise CheckpointError(f"{model_dir / MARKER} names format {marker.get('format')!r}; expected 'orbax'")
+    cfg = load_config(model_dir)
+    if not marker.get("mtp", True):
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+    saved = resolve_dtype(marker.get("dtype", "float32"))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3_5Model(cfg, dtype=saved)))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+    try:
+        params = ocp.StandardCheckpointer().restore((model_dir / "params").absolute(), abstract)
+    except (FileNotFoundError, ValueError) as e:
+        raise CheckpointError(f"cannot restore {model_dir / 'params'}: {e}") from None
+    wanted = resolve_dtype(dtype) if dtype else saved
+    if wanted != saved:
+        params = jax.tree.map(lambda x: x.astype(wanted) if x.dtype == saved else x, params)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3_5Model(cfg, dtype=wanted)))
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state), cfg

@@ -1,0 +1,44 @@
+"""`spec-jax convert` writes Orbax params that load back to the same model."""
+
+import numpy as np
+import pytest
+
+from conftest import HF_FIXTURES
+from spec_jax import LLM
+from spec_jax.checkpoint import CheckpointError, load_model
+from spec_jax.cli import main
+
+
+@pytest.mark.parametrize("case, dtype", [("moe_vl", "float32"), ("dense_vl", "bfloat16")])
+def test_converted_checkpoint_gives_the_same_logits(tmp_path, case, dtype):
+    out = tmp_path / "converted"
+    assert main(["convert", "--model", str(HF_FIXTURES / case), "--output", str(out), "--dtype", dtype]) == 0
+    assert (out / "spec_jax.json").exists() and (out / "params").is_dir()
+    ids = np.load(HF_FIXTURES / case / "reference.npz")["input_ids"].tolist()
+    original = LLM(model=str(HF_FIXTURES / case), dtype=dtype, max_model_len=64).logits(ids)
+    restored = LLM(model=str(out), dtype=dtype, max_model_len=64)
+    assert restored.model.mtp is not None
+    np.testing.assert_array_equal(restored.logits(ids), original)
+
+
+def test_restore_in_another_dtype_casts(tmp_path):
+    out = tmp_path / "c"
+    main(["convert", "--model", str(HF_FIXTURES / "dense_vl"), "--output", str(out), "--dtype", "float32"])
+    model, _ = load_model(out, "bfloat16")
+    assert str(model.embed_tokens[...].dtype) == "bfloat16"
+
+
+def test_convert_refuses_a_non_empty_output(tmp_path, capsys):
+    (tmp_path / "x").write_text("x")
+    assert main(["convert", "--model", str(HF_FIXTURES / "dense_vl"), "--output", str(tmp_path)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+
+
+def test_a_damaged_conversion_is_named(tmp_path):
+    out = tmp_path / "c"
+    main(["convert", "--model", str(HF_FIXTURES / "dense_vl"), "--output", str(out), "--dtype", "float32"])
+    import shutil
+
+    shutil.rmtree(out / "params")
+    with pytest.raises(CheckpointError, match="cannot restore"):
+        load_model(out)
