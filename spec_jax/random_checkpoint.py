@@ -72,17 +72,22 @@ def hf_config(cfg: Qwen3_5Config, *, vl_wrapped: bool) -> dict:
             "vision_config": {"model_type": "qwen3_5_moe_vision" if cfg.is_moe else "qwen3_5_vision"}}
 
 
+def tensor_slots(make_model, sources):
+    """(checkpoint name, shape) of every tensor a model reads, in parameter order.
+    sources(path) -> (names, stacked), as the model's loader maps it."""
+    _, state = nnx.split(nnx.eval_shape(make_model))
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
+        names, stacked = sources(tuple(k.key for k in keypath))
+        shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
+        for name in names:
+            yield name, shape
+
+
 def random_tensors(cfg: Qwen3_5Config, seed: int = 0) -> dict[str, np.ndarray]:
     """Every tensor of the text model and its MTP head, by text-only HF name, float32."""
     rng = np.random.default_rng(seed)
-    _, state = nnx.split(abstract_model(cfg, np.float32))
-    out = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
-        path = tuple(k.key for k in keypath)
-        shape = tuple(leaf.shape[1:] if is_stacked(path) else leaf.shape)
-        for name in param_sources(path, cfg):
-            out[name] = random_value(name, shape, rng).astype(np.float32)
-    return out
+    slots = tensor_slots(lambda: abstract_model(cfg, np.float32), lambda p: (param_sources(p, cfg), is_stacked(p)))
+    return {name: random_value(name, shape, rng).astype(np.float32) for name, shape in slots}
 
 
 def write_checkpoint(out_dir: str | Path, cfg: Qwen3_5Config, *, seed: int = 0, dtype: str = "float32",
@@ -145,14 +150,10 @@ def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, layout: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    _, state = nnx.split(nnx.eval_shape(lambda: DFlashDraft(cfg)))
     tensors = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
-        names, stacked = dflash_sources(tuple(k.key for k in keypath), cfg)
-        shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
-        for name in names:
-            value = random_value(name, shape, rng)
-            tensors[name] = (value + 1.0 if "norm" in name else value).astype(np.float32)  # plain RMSNorm: ~1
+    for name, shape in tensor_slots(lambda: DFlashDraft(cfg), lambda p: dflash_sources(p, cfg)):
+        value = random_value(name, shape, rng)
+        tensors[name] = (value + 1.0 if "norm" in name else value).astype(np.float32)  # plain RMSNorm: ~1
     if cfg.markov_rank:
         tensors["confidence_head.proj.weight"] = rng.normal(size=(1, cfg.hidden_size + cfg.markov_rank)).astype(np.float32)
         tensors["confidence_head.proj.bias"] = np.zeros((1,), np.float32)
@@ -171,15 +172,13 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    _, state = nnx.split(nnx.eval_shape(lambda: Eagle3Draft(cfg)))
     tensors = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
-        (name,), _ = eagle3_sources(tuple(k.key for k in keypath))
+    for name, shape in tensor_slots(lambda: Eagle3Draft(cfg), eagle3_sources):
         if name == "d2t":
             ids = np.sort(rng.choice(cfg.vocab_size, cfg.draft_vocab_size, replace=False))
             tensors[name] = (ids - np.arange(cfg.draft_vocab_size)).astype(np.int64)
             continue
-        value = random_value(name, tuple(leaf.shape), rng)
+        value = random_value(name, shape, rng)
         value = value + 1.0 if "norm" in name else value  # plain RMSNorm: ~1
         if midlayer_names and name.startswith("layers.0."):
             name = "midlayer." + name[len("layers.0."):]

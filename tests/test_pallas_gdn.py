@@ -8,20 +8,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
+from test_gdn import random_inputs, rel
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 
 
-def inputs(T, *, B=2, nk=2, nv=4, dk=32, dv=64, gate_scale=2.0, seed=0):
-    r = np.random.default_rng(seed)
-    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
-    g = -jnp.asarray(r.uniform(0, gate_scale, size=(B, T, nv)), jnp.float32)
-    beta = jnp.asarray(r.uniform(size=(B, T, nv)), jnp.float32)
-    return f(B, T, nk, dk), f(B, T, nk, dk), f(B, T, nv, dv), g, beta, f(B, nv, dk, dv)
-
-
-def rel(a, b):
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+def inputs(T, **kw):
+    """test_gdn's random inputs at the kernel's power-of-two head sizes by default."""
+    return random_inputs(T, **{"nv": 4, "dk": 32, "dv": 64, **kw})
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
