@@ -126,7 +126,9 @@ def fla_time_us(q, k, v, g, beta, s0):
     except ImportError as e:
         return {"fla_error": f"not installed: {e}"}
     t = lambda x: torch.tensor(np.asarray(x)).cuda()
-    tq, tk, tv = t(q.astype(jnp.float32)).bfloat16(), t(k.astype(jnp.float32)).bfloat16(), t(v.astype(jnp.float32)).bfloat16()
+    r = v.shape[2] // q.shape[2]  # grouped value heads: repeat q/k per value head, as HF does before FLA
+    tq, tk = (t(x.astype(jnp.float32)).bfloat16().repeat_interleave(r, dim=2) for x in (q, k))
+    tv = t(v.astype(jnp.float32)).bfloat16()
     tg, tb, ts = t(g), t(beta), t(s0)
     run = lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
                                          use_qk_l2norm_in_kernel=True)
@@ -140,7 +142,7 @@ def fla_time_us(q, k, v, g, beta, s0):
 def chunked_cases(rng):
     """Chunked GDN prefill at 27B GDN shapes (16 key / 48 value heads, 128 dims), 4k and 16k tokens."""
     rows = []
-    for T in (4096, 16384):
+    for T in (130, 4096, 16384):  # 130: a ragged tail past two chunks, checked for correctness
         B, nk, nv, d = 1, 16, 48, 128
         f = lambda *s, dt=jnp.bfloat16: jnp.asarray(rng.normal(size=s), dt)
         q, k, v = f(B, T, nk, d), f(B, T, nk, d), f(B, T, nv, d)

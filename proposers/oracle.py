@@ -6,6 +6,7 @@ also gives the ceiling a real proposer with that acceptance could reach."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,3 +37,37 @@ class OracleProposer:
 
     def update(self, model, draft, reference, target, emitted, n_acc, lengths, choose):
         return reference
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTokens:
+    """Benchmarks only: a real proposer runs every step (its whole cost, its own state kept in
+    step with what the target emits) but the oracle's tokens are verified in its place, so a
+    drafter's speed can be measured at a chosen acceptance before it is trained."""
+
+    inner: Any
+    oracle: OracleProposer
+
+    @property
+    def k(self) -> int:
+        return self.inner.k
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return getattr(self.inner, "taps", ())
+
+    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None):
+        return (self.inner.init_state(model, draft, tokens, lengths, target, choose),
+                self.oracle.init_state(model, draft, tokens, lengths, target, choose, reference))
+
+    def propose(self, model, draft, state, tokens, lengths, choose):
+        inner_state, reference = state
+        own, n_draft, _, inner_state = self.inner.propose(model, draft, inner_state, tokens, lengths, choose)
+        drafts, _, _, reference = self.oracle.propose(model, draft, reference, tokens, lengths, choose)
+        # Token ids are never negative, but XLA cannot prove it, so the drafter's work stays live.
+        drafts = jnp.where(own < 0, own, drafts)
+        return drafts, n_draft, None, (inner_state, reference)
+
+    def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
+        inner_state, reference = state
+        return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), reference

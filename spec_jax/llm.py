@@ -26,7 +26,7 @@ from proposers.dspark import DSparkProposer
 from proposers.eagle3 import Eagle3Proposer
 from proposers.mtp import MTPProposer
 from proposers.ngram import NgramProposer
-from proposers.oracle import OracleProposer
+from proposers.oracle import OracleProposer, OracleTokens
 from spec_jax.checkpoint import load_model, read_json, resolve_dtype
 from spec_jax.checkpoint_drafters import load_dflash, load_eagle3
 from spec_jax.engine import Engine, SpecPlan, enable_compilation_cache
@@ -228,8 +228,11 @@ class LLM:
         self._requests += 1
         return p.seed if p.seed is not None else hash((self.seed, self._requests)) & 0x7FFFFFFF
 
-    def _start_batch(self, ids, params):
-        """Pad a batch to its buckets and prefill it. Returns (state, do_sample, stop lists)."""
+    def _start_batch(self, ids, params, *, stop_width: int | None = None, do_sample: bool | None = None):
+        """Pad a batch to its buckets and prefill it. Returns (state, do_sample, stop lists).
+
+        The scheduler fixes stop_width (the stop_ids columns) and do_sample so that every row it
+        prefills fits its live batch."""
         n = len(ids)
         B = self.engine.batch_bucket(n)
         T = self.engine.prompt_bucket(max(len(x) for x in ids))
@@ -238,7 +241,7 @@ class LLM:
         max_lengths = np.full((B,), 2, np.int32)
         eos = list(self.cfg.eos_token_id)
         stops = [list(p.stop_token_ids or []) + ([] if p.ignore_eos else eos) for p in params]
-        stop_ids = np.full((B, max(1, max(len(s) for s in stops))), -1, np.int32)
+        stop_ids = np.full((B, stop_width or max(1, max(len(s) for s in stops))), -1, np.int32)
         for i, (x, p, st) in enumerate(zip(ids, params, stops)):
             tokens[i, :len(x)] = x
             lengths[i] = len(x)
@@ -254,10 +257,10 @@ class LLM:
         keys = keys.at[:n].set(jnp.stack([jax.random.key(self._row_seed(p)) for p in params]))
         sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(pad((max(p.top_k, 0) for p in params), 0, np.int32)),
                                jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys)
-        do_sample = bool((temperature > 0).any())
+        do_sample = bool((temperature > 0).any()) if do_sample is None else do_sample
         inputs = [jnp.asarray(x) for x in (tokens, lengths, max_lengths, stop_ids)] + [sampling, jnp.asarray(done)]
         reference = self._oracle_reference(inputs, do_sample) if self.engine.plan and isinstance(
-            self.engine.plan.proposer, OracleProposer) else None
+            self.engine.plan.proposer, (OracleProposer, OracleTokens)) else None
         state = self.engine.prefill(*inputs, jnp.asarray(speculate), reference, do_sample)
         return state, do_sample, stops
 
@@ -316,7 +319,16 @@ class LLM:
 
 
 def make_proposer(spec: SpeculativeConfig, cfg, cache_len: int, draft=None):
-    """The proposer object for a parsed speculative config (draft: its loaded network, if any)."""
+    """The proposer object for a parsed speculative config (draft: its loaded network, if any).
+    An `oracle_corruption_rate` on a drafter method wraps it in `OracleTokens` (benchmarks only)."""
+    proposer = method_proposer(spec, cfg, cache_len, draft)
+    if spec.method != "oracle" and spec.oracle_corruption_rate is not None:
+        return OracleTokens(proposer, OracleProposer(proposer.k, spec.oracle_corruption_rate, cfg.vocab_size))
+    return proposer
+
+
+def method_proposer(spec: SpeculativeConfig, cfg, cache_len: int, draft=None):
+    """The proposer that `spec.method` names."""
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)

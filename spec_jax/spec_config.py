@@ -52,7 +52,9 @@ class SpeculativeConfig:
 
     Method "oracle" is ours and for benchmarks only: it proposes the tokens the target itself
     would produce, each replaced by a wrong token with probability `oracle_corruption_rate`, so
-    acceptance can be dialled in to measure the verifier's cost and the speedup ceiling.
+    acceptance can be dialled in to measure the verifier's cost and the speedup ceiling. Given
+    with any other method, that method's drafter still runs (its full cost and state) but the
+    oracle's tokens are verified in place of its own: a drafter's speed at a chosen acceptance.
     """
 
     method: str
@@ -62,7 +64,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
-    oracle_corruption_rate: float = 0.0
+    oracle_corruption_rate: float | None = None  # None: 0.0 for method oracle, off for the others
     # ---- vLLM fields accepted and ignored
     enforce_eager: bool | None = None
     draft_tensor_parallel_size: int | None = None
@@ -103,10 +105,10 @@ class SpeculativeConfig:
         _check_choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         _check_choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
         rate = self.oracle_corruption_rate
-        if not 0.0 <= rate <= 1.0:
+        if rate is None and self.method == "oracle":
+            object.__setattr__(self, "oracle_corruption_rate", rate := 0.0)
+        if rate is not None and not 0.0 <= rate <= 1.0:
             raise ValueError(f"oracle_corruption_rate must be in [0, 1], got {rate}")
-        if rate and self.method != "oracle":
-            raise ValueError(f"oracle_corruption_rate={rate} is only used by method 'oracle', not {self.method!r}")
 
     def __repr__(self) -> str:
         """Only the method, k and the fields that differ from their defaults."""

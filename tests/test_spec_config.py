@@ -244,9 +244,10 @@ def test_oracle_corruption_rate_range(rate):
         parse({"method": "oracle", "num_speculative_tokens": 2, "oracle_corruption_rate": rate})
 
 
-def test_oracle_corruption_rate_only_for_oracle():
-    with pytest.raises(ValueError, match="oracle_corruption_rate=0.5 is only used by method 'oracle', not 'ngram'"):
-        parse({"method": "ngram", "num_speculative_tokens": 2, "oracle_corruption_rate": 0.5})
+def test_oracle_corruption_rate_defaults():
+    assert parse({"method": "oracle", "num_speculative_tokens": 2}).oracle_corruption_rate == 0.0
+    assert parse({"method": "ngram", "num_speculative_tokens": 2}).oracle_corruption_rate is None
+    assert parse({"method": "ngram", "num_speculative_tokens": 2, "oracle_corruption_rate": 0.5}).oracle_corruption_rate == 0.5
 
 
 def test_mtp_needs_mtp_tensors():

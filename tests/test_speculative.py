@@ -145,3 +145,16 @@ def test_mtp_refused_on_a_checkpoint_without_mtp():
 def test_bad_configs_fail_at_load(tiny_dir, bad, field):
     with pytest.raises(ValueError, match=field):
         LLM(model=str(tiny_dir), speculative_config=bad)
+
+
+def test_oracle_tokens_through_a_real_drafter():
+    """`oracle_corruption_rate` on a drafter method: the MTP head still runs and keeps its state,
+    but the oracle's tokens are verified, so output is unchanged and acceptance is the oracle's."""
+    d = HF_FIXTURES / "dense_vl"
+    ref = np.load(d / "reference.npz")
+    ids = [ref["prompt_ids"].tolist(), ref["prompt_ids_b"].tolist()]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "oracle_corruption_rate": 0.0}
+    got, llm = run(d, spec, ids, params)
+    assert got == [ref["greedy_ids"].tolist(), ref["greedy_ids_b"].tolist()]
+    assert llm.metrics["acceptance_rate"] > 0.95  # the random MTP head alone accepts almost nothing
