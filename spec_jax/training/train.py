@@ -1,0 +1,424 @@
+"""Train the embedded default model, one stage after another, each on a wall-clock budget:
+
+1. target: a Qwen3.5 GDN-hybrid (models/qwen3_5.py, its own forward) trained on the corpus with
+   next-token loss plus its MTP head's loss on the token after next, jointly;
+2. dflash: a DFlash block drafter distilled from the frozen target: the target greedily continues
+   corpus prompts, and the drafter learns to predict those continuations block by block from the
+   target's layer taps (so what it learns is what greedy verification accepts);
+3. draft: a small plain Qwen3 for `draft_model`, distilled from the target's next-token
+   distribution on the corpus.
+
+Each stage trains until its `--minutes-*` budget is spent (compilation not counted), keeps the
+weights with the best held-out figure, and is exported at once into --out (target at the top,
+`dflash/`, `draft/`), the layout of `spec_jax/assets/default/`.
+
+    python -m spec_jax.training.train --out DIR --corpus corpus.npz \
+        --minutes-target 4 --minutes-dflash 1.5 --minutes-draft 1.5
+    python -m spec_jax.training.train --out DIR --corpus c.npz --tiny --max-steps 20   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from models.dflash import DFlashDraft
+from models.qwen3 import Qwen3Model
+from models.qwen3_5 import KVCache, Qwen3_5Model, init_mtp_cache
+from spec_jax.training import export
+from spec_jax.training.corpus import EOS, KINDS, MASK, Corpus, build_corpus, load_corpus
+from spec_jax.training.data import Windows, full_batch, greedy_continue, heldout_windows
+from spec_jax.training.geometry import count_params, dflash_config, draft_config, init_weights, target_config
+
+STAGES = ("target", "dflash", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How one stage trains: AdamW at peak `lr` after `warmup` steps, cosine-decayed to a tenth
+    over the time budget (or max_steps, whichever ends first)."""
+
+    minutes: float
+    batch: int
+    lr: float
+    warmup: int
+    max_steps: int | None = None
+    weight_decay: float = 0.1
+    log_every: int = 50
+    eval_every: int = 250
+
+    def lr_at(self, step: int, elapsed_s: float) -> float:
+        frac = elapsed_s / (60 * self.minutes) if self.minutes else 0.0
+        if self.max_steps:
+            frac = max(frac, step / self.max_steps)
+        return self.lr * min(1.0, (step + 1) / self.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+    def done(self, step: int, elapsed_s: float) -> bool:
+        return (self.max_steps is not None and step >= self.max_steps) or elapsed_s >= 60 * self.minutes
+
+
+class Graph:
+    """A model's graph in the compute dtype, run from float32 master weights: `bind(params)`
+    casts each master to its parameter's compute dtype (norms, A_log and dt_bias stay float32,
+    as the model declares them) and merges. make(dtype) builds the module."""
+
+    def __init__(self, make, dtype):
+        self.make = make
+        self.graphdef, self.shapes = nnx.split(nnx.eval_shape(lambda: make(dtype)))
+
+    def init(self, seed: int, num_layers: int):
+        """Fresh float32 master weights (see `init_weights`)."""
+        return nnx.state(init_weights(self.make(jnp.float32), seed, num_layers))
+
+    def cast(self, params):
+        return jax.tree.map(lambda p, s: p.astype(s.dtype), params, self.shapes)
+
+    def bind(self, params):
+        return nnx.merge(self.graphdef, self.cast(params))
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-position cross entropy: logits [..., V] float32, labels [...] -> [...]."""
+    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def decay_mask(params):
+    """Weight decay on matrices only: not on norms, A_log, dt_bias or the conv taps."""
+    def keep(path, _):
+        names = [str(getattr(k, "key", "")) for k in path]
+        return not any("norm" in n for n in names) and names[-2] not in ("A_log", "dt_bias", "conv1d")
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def fit(name: str, params, loss_fn, eval_fn, data, sched: Schedule, key, score_key: str, higher_is_better=False):
+    """Train `params` with AdamW on loss_fn(params, data, key) -> (loss, metrics) until the
+    schedule ends; eval_fn(params, data) -> metrics every `eval_every` steps. Returns the weights
+    with the best metrics[score_key] and a log dict."""
+    opt = optax.inject_hyperparams(lambda learning_rate: optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=sched.weight_decay, mask=decay_mask(params))))(
+        learning_rate=sched.lr)
+    opt_state = opt.init(params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, data, key, lr):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, data, key)
+        opt_state.hyperparams["learning_rate"] = lr
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    evaluate = jax.jit(eval_fn)
+    sign = -1.0 if higher_is_better else 1.0
+    best, best_score, history = None, math.inf, []
+
+    def run_eval(i, elapsed):
+        nonlocal best, best_score
+        m = {k: float(v) for k, v in evaluate(params, data).items()}
+        history.append({"step": i, "s": round(elapsed, 1), **m})
+        if sign * m[score_key] < best_score:
+            best, best_score = jax.tree.map(jnp.copy, params), sign * m[score_key]
+        log(f"[{name}] eval step {i}: " + " ".join(f"{k} {v:.4f}" for k, v in m.items()))
+
+    t_compile = time.perf_counter()
+    i, t0, elapsed = 0, None, 0.0
+    while not sched.done(i, elapsed):
+        key, sub = jax.random.split(key)
+        params, opt_state, metrics = step(params, opt_state, data, sub, jnp.float32(sched.lr_at(i, elapsed)))
+        i += 1
+        if t0 is None:  # the first step compiled: the budget starts now
+            jax.block_until_ready(metrics)
+            t0 = time.perf_counter()
+            log(f"[{name}] compiled in {t0 - t_compile:.1f}s")
+        elapsed = time.perf_counter() - t0
+        if i % sched.log_every == 0:
+            m = {k: float(v) for k, v in metrics.items()}
+            elapsed = time.perf_counter() - t0
+            log(f"[{name}] step {i} {elapsed:.0f}s lr {sched.lr_at(i, elapsed):.2e} "
+                + " ".join(f"{k} {v:.4f}" for k, v in m.items()) + f" ({i / max(elapsed, 1e-9):.1f} steps/s)")
+        if i % sched.eval_every == 0:
+            run_eval(i, elapsed)
+    if not history or history[-1]["step"] != i:
+        run_eval(i, elapsed)
+    best_entry = min(history, key=lambda h: sign * h[score_key])
+    log(f"[{name}] {i} steps in {elapsed:.0f}s; keeping step {best_entry['step']} ({score_key} {best_entry[score_key]:.4f})")
+    return best, {"steps": i, "train_s": round(elapsed, 1), "best": best_entry, "evals": history}
+
+
+# ----------------------------------------------------------------------------- target + MTP
+
+
+def target_loss(model: Qwen3_5Model, windows: jax.Array, mtp_weight: float):
+    """windows [B, T+1]: next-token loss on positions 0..T-1, plus the MTP head's loss: from the
+    hidden state at p and the embedding of token p+1 it predicts token p+2."""
+    B, T = windows.shape[0], windows.shape[1] - 1
+    x, y = windows[:, :-1], windows[:, 1:]
+    hidden, _ = model(x, full_batch(B, T), model.init_cache(B, T), kv_len=T)
+    logits = model.logits(hidden)
+    ce = cross_entropy(logits, y).mean()
+    mtp_cache = init_mtp_cache(model.cfg, B, T - 1, model.dtype)
+    mtp_hidden, _ = model.mtp(model.embed(x[:, 1:]), hidden[:, :-1], full_batch(B, T - 1), mtp_cache, kv_len=T - 1)
+    mtp_logits = model.logits(mtp_hidden)
+    ce_mtp = cross_entropy(mtp_logits, y[:, 1:]).mean()
+    # What greedy MTP k=1 acceptance measures: the head's guess for p+2 against the target's at p+1.
+    agree = (jnp.argmax(mtp_logits, -1) == jnp.argmax(logits[:, 1:], -1)).mean()
+    return ce + mtp_weight * ce_mtp, {"loss": ce, "mtp_loss": ce_mtp, "mtp_agree": agree}
+
+
+def train_target(corpus: Corpus, args, dtype, key):
+    cfg = target_config(corpus.vocab_size, corpus.tokenizer.token_to_id(EOS), tiny=args.tiny)
+    model = Graph(lambda dt: Qwen3_5Model(cfg, dtype=dt), dtype)
+    params = model.init(args.seed, cfg.num_hidden_layers)
+    log(f"[target] {count_params(model.bind(params)) / 1e6:.2f}M parameters")
+    T = args.seq_len
+    data = {"windows": Windows.from_corpus(corpus, args.prose_fraction),
+            "heldout": {k: jnp.asarray(heldout_windows(corpus, k, args.eval_windows, T + 1)) for k in KINDS}}
+    sched = Schedule(args.minutes_target, args.batch, args.lr_target, args.warmup, args.max_steps,
+                     log_every=args.log_every, eval_every=args.eval_every)
+
+    def loss_fn(params, data, key):
+        return target_loss(model.bind(params), data["windows"].sample(key, sched.batch, T + 1), args.mtp_weight)
+
+    def eval_fn(params, data):
+        out = {}
+        for kind, windows in data["heldout"].items():
+            _, m = target_loss(model.bind(params), windows, args.mtp_weight)
+            out.update({f"{kind}_{k}": v for k, v in m.items()})
+        out["loss"] = sum(out[f"{k}_loss"] for k in KINDS) / len(KINDS)
+        return out
+
+    params, history = fit("target", params, loss_fn, eval_fn, data, sched, key, "loss")
+    return cfg, params, history
+
+
+# ----------------------------------------------------------------------------- DFlash
+
+
+def target_continuations(target: Qwen3_5Model, params, graphdef, prompts: np.ndarray, n_new: int, batch: int):
+    """The target's greedy continuations of prompts [N, P], `batch` rows at a time -> [N, P+n_new]."""
+    run = jax.jit(lambda p, x: greedy_continue(nnx.merge(graphdef, p), x, n_new))
+    out = [np.asarray(run(params, jnp.asarray(prompts[s:s + batch]))) for s in range(0, len(prompts), batch)]
+    return np.concatenate(out)
+
+
+def dflash_loss(draft: DFlashDraft, target: Qwen3_5Model, seqs: jax.Array, anchors: jax.Array, gamma: float):
+    """seqs [B, T]: target-generated sequences; anchors [B, A]: block starts. Each block is
+    [seqs[a], MASK x (bs-1)] at positions a..a+bs-1 over the context of the target's taps at
+    positions < a (as at inference), and learns seqs[a+1 .. a+bs-1]; position j's loss weighs
+    exp(-(j-1)/gamma) since a draft counts only if every draft before it was accepted."""
+    cfg = draft.cfg
+    B, T = seqs.shape
+    A, bs = anchors.shape[1], cfg.block_size
+    out, _ = target(seqs, full_batch(B, T), target.init_cache(B, T), kv_len=T, taps=cfg.target_layer_ids)
+    ctx_k, ctx_v = draft.context_kv(out.taps, jnp.broadcast_to(jnp.arange(T), (B, T)))  # [layers, B, T, kv, d]
+    positions = (anchors[..., None] + jnp.arange(bs)).reshape(B * A, bs)
+    rows = jnp.repeat(jnp.arange(B), A)
+    labels = seqs[rows[:, None], positions]  # [B*A, bs]: the anchor token, then the block's targets
+    block = labels.at[:, 1:].set(cfg.mask_token_id)
+    cache = KVCache(ctx_k[:, rows], ctx_v[:, rows])
+    h = draft.block(target.embed(block), positions, cache, anchors.reshape(-1))
+    logits = target.logits(h[:, 1:])
+    ce = cross_entropy(logits, labels[:, 1:])  # [B*A, bs-1]
+    weights = jnp.exp(-jnp.arange(bs - 1) / gamma)
+    correct = jnp.argmax(logits, -1) == labels[:, 1:]
+    accepted = jnp.cumprod(correct, axis=1).sum(axis=1)  # drafts a greedy verifier would accept
+    return (ce * weights).sum(-1).mean() / weights.sum(), {
+        "loss": ce.mean(), "first_acc": correct[:, 0].mean(), "accept_len": 1.0 + accepted.mean()}
+
+
+def draw_anchors(key, B: int, A: int, prompt_len: int, T: int, bs: int) -> jax.Array:
+    """A anchors per row, from the last prompt token on (its block's labels are all generated)."""
+    return jax.random.randint(key, (B, A), prompt_len - 1, T - bs + 1)
+
+
+def train_dflash(corpus: Corpus, tcfg, tparams, args, dtype, key):
+    cfg = dflash_config(tcfg, corpus.tokenizer.token_to_id(MASK), tiny=args.tiny)
+    target = Graph(lambda dt: Qwen3_5Model(tcfg, dtype=dt), dtype)
+    frozen = target.cast(tparams)
+    draft = Graph(lambda dt: DFlashDraft(cfg, dtype=dt), dtype)
+    params = draft.init(args.seed + 1, cfg.num_hidden_layers)
+    log(f"[dflash] {count_params(draft.bind(params)) / 1e6:.2f}M parameters (embedding and lm_head shared)")
+    P, T, bs = args.prompt_len, args.seq_len, cfg.block_size
+    windows = Windows.from_corpus(corpus, args.prose_fraction)
+    key, k_prompts = jax.random.split(key)
+    prompts = np.asarray(jax.jit(Windows.sample, static_argnums=(2, 3))(windows, k_prompts, args.dflash_sequences, P))
+    heldout = np.concatenate([heldout_windows(corpus, k, args.eval_windows, P) for k in KINDS])
+    t0 = time.perf_counter()
+    seqs = target_continuations(target, frozen, target.graphdef, prompts, T - P, args.gen_batch)
+    held_seqs = target_continuations(target, frozen, target.graphdef, heldout, T - P, args.gen_batch)
+    log(f"[dflash] generated {seqs.shape[0]} + {held_seqs.shape[0]} greedy continuations of {T - P} tokens "
+        f"in {time.perf_counter() - t0:.1f}s")
+    data = {"target": frozen, "seqs": jnp.asarray(seqs), "heldout": jnp.asarray(held_seqs),
+            "heldout_anchors": draw_anchors(jax.random.key(1), len(held_seqs), args.anchors, P, T, bs)}
+    sched = Schedule(args.minutes_dflash, args.batch_dflash, args.lr_dflash, args.warmup, args.max_steps,
+                     log_every=args.log_every, eval_every=args.eval_every)
+
+    def loss_fn(params, data, key):
+        k_rows, k_anchors = jax.random.split(key)
+        rows = jax.random.randint(k_rows, (sched.batch,), 0, data["seqs"].shape[0])
+        anchors = draw_anchors(k_anchors, sched.batch, args.anchors, P, T, bs)
+        return dflash_loss(draft.bind(params), nnx.merge(target.graphdef, data["target"]), data["seqs"][rows],
+                           anchors, args.gamma)
+
+    def eval_fn(params, data):
+        return dflash_loss(draft.bind(params), nnx.merge(target.graphdef, data["target"]), data["heldout"],
+                           data["heldout_anchors"], args.gamma)[1]
+
+    params, history = fit("dflash", params, loss_fn, eval_fn, data, sched, key, "accept_len",
+                          higher_is_better=True)
+    return cfg, params, history
+
+
+# ----------------------------------------------------------------------------- draft model
+
+
+def draft_loss(draft: Qwen3Model, target: Qwen3_5Model, windows: jax.Array):
+    """Distillation: cross entropy of the draft against the target's next-token distribution."""
+    B, T = windows.shape
+    batch = full_batch(B, T)
+    t_hidden, _ = target(windows, batch, target.init_cache(B, T), kv_len=T)
+    t_logits = target.logits(t_hidden)
+    d_hidden, _ = draft(windows, batch, draft.init_cache(B, T), kv_len=T)
+    d_logits = draft.logits(d_hidden)
+    loss = -(jax.nn.softmax(t_logits) * jax.nn.log_softmax(d_logits)).sum(-1).mean()
+    agree = (jnp.argmax(d_logits, -1) == jnp.argmax(t_logits, -1)).mean()
+    return loss, {"loss": loss, "agree": agree}
+
+
+def train_draft(corpus: Corpus, tcfg, tparams, args, dtype, key):
+    cfg = draft_config(corpus.vocab_size, corpus.tokenizer.token_to_id(EOS), tiny=args.tiny)
+    target = Graph(lambda dt: Qwen3_5Model(tcfg, dtype=dt), dtype)
+    draft = Graph(lambda dt: Qwen3Model(cfg, dtype=dt), dtype)
+    params = draft.init(args.seed + 2, cfg.num_hidden_layers)
+    log(f"[draft] {count_params(draft.bind(params)) / 1e6:.2f}M parameters")
+    T = args.seq_len
+    data = {"target": target.cast(tparams), "windows": Windows.from_corpus(corpus, args.prose_fraction),
+            "heldout": jnp.asarray(np.concatenate([heldout_windows(corpus, k, args.eval_windows, T) for k in KINDS]))}
+    sched = Schedule(args.minutes_draft, args.batch, args.lr_draft, args.warmup, args.max_steps,
+                     log_every=args.log_every, eval_every=args.eval_every)
+
+    def loss_fn(params, data, key):
+        return draft_loss(draft.bind(params), nnx.merge(target.graphdef, data["target"]),
+                          data["windows"].sample(key, sched.batch, T))
+
+    def eval_fn(params, data):
+        return draft_loss(draft.bind(params), nnx.merge(target.graphdef, data["target"]), data["heldout"])[1]
+
+    params, history = fit("draft", params, loss_fn, eval_fn, data, sched, key, "loss")
+    return cfg, params, history
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def load_target(model_dir: str):
+    """An exported target as float32 masters: (cfg, params)."""
+    from spec_jax.checkpoint import load_model
+
+    model, cfg = load_model(model_dir, "float32")
+    return cfg, nnx.state(model)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m spec_jax.training.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="export directory (target, dflash/, draft/)")
+    ap.add_argument("--corpus", required=True, help="tokenized corpus .npz (built here when missing)")
+    ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary when the corpus is built")
+    ap.add_argument("--tiny", action="store_true", help="tiny geometries and corpus (CPU smoke runs)")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    ap.add_argument("--target-from", default=None, help="skip target training: use this exported target")
+    ap.add_argument("--minutes-target", type=float, default=4.0)
+    ap.add_argument("--minutes-dflash", type=float, default=1.5)
+    ap.add_argument("--minutes-draft", type=float, default=1.5)
+    ap.add_argument("--max-steps", type=int, default=None, help="cap every stage's steps (tests)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="compute dtype (masters are float32); auto: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=64, help="sequences per step (target and draft)")
+    ap.add_argument("--batch-dflash", type=int, default=32, help="generated sequences per DFlash step")
+    ap.add_argument("--anchors", type=int, default=16, help="DFlash blocks per sequence per step")
+    ap.add_argument("--prompt-len", type=int, default=64, help="corpus prompt the target continues for DFlash")
+    ap.add_argument("--dflash-sequences", type=int, default=4096, help="greedy continuations to train DFlash on")
+    ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--lr-target", type=float, default=2e-3)
+    ap.add_argument("--lr-dflash", type=float, default=1e-3)
+    ap.add_argument("--lr-draft", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--mtp-weight", type=float, default=0.3)
+    ap.add_argument("--gamma", type=float, default=4.0, help="DFlash loss decay over block positions")
+    ap.add_argument("--prose-fraction", type=float, default=0.15, help="share of windows drawn from prose")
+    ap.add_argument("--eval-windows", type=int, default=32, help="held-out windows per kind")
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    bad = set(args.stages.split(",")) - set(STAGES)
+    if bad:
+        ap.error(f"--stages has unknown stage {sorted(bad)[0]!r}; expected some of {', '.join(STAGES)}")
+    if args.tiny:
+        args.vocab, args.seq_len, args.prompt_len = 512, 64, 16
+        args.batch, args.batch_dflash, args.anchors, args.dflash_sequences, args.gen_batch = 4, 4, 4, 16, 16
+        args.eval_windows, args.warmup = 4, 5
+        args.log_every, args.eval_every = min(args.log_every, 10), min(args.eval_every, 10)
+    if not 0 < args.prompt_len < args.seq_len - 8:
+        ap.error(f"--prompt-len {args.prompt_len} must be positive and leave room for a block before --seq-len "
+                 f"{args.seq_len}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    stages = args.stages.split(",")
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}.get(
+        args.dtype, jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+    log(f"devices: {jax.devices()}; compute dtype {jnp.dtype(dtype).name}")
+    out = Path(args.out)
+    corpus_path = Path(args.corpus)
+    if corpus_path.exists():
+        corpus = load_corpus(corpus_path)
+    else:
+        log(f"building the corpus into {corpus_path} ...")
+        corpus = build_corpus(corpus_path, args.vocab, 200_000 if args.tiny else None)
+    log("corpus: " + ", ".join(f"{k} {s} {len(a):,}" for (k, s), a in corpus.streams.items()) + " tokens")
+    key = jax.random.key(args.seed)
+    report = {"args": vars(args), "device": jax.devices()[0].device_kind}
+    if args.target_from:
+        tcfg, tparams = load_target(args.target_from)
+    elif "target" in stages:
+        tcfg, tparams, report["target"] = train_target(corpus, args, dtype, jax.random.fold_in(key, 0))
+        export.export_target(out, tcfg, tparams, corpus.tokenizer_json)
+        log(f"exported the target to {out}")
+    else:
+        tcfg, tparams = load_target(str(out))
+    if "dflash" in stages:
+        cfg, params, report["dflash"] = train_dflash(corpus, tcfg, tparams, args, dtype, jax.random.fold_in(key, 1))
+        export.export_dflash(out / "dflash", cfg, params)
+        log(f"exported the DFlash drafter to {out / 'dflash'}")
+    if "draft" in stages:
+        cfg, params, report["draft"] = train_draft(corpus, tcfg, tparams, args, dtype, jax.random.fold_in(key, 2))
+        export.export_draft(out / "draft", cfg, params)
+        log(f"exported the draft model to {out / 'draft'}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "training_log.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    sizes = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
+    log(f"export: {sum(sizes.values()) / 1e6:.1f} MB in {len(sizes)} files, largest "
+        f"{max(sizes.values()) / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
