@@ -48,14 +48,14 @@ def stdlib_text(limit_bytes: int = 2 << 20) -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
-    """Byte-level BPE with EOS as id 0."""
+def train_tokenizer(vocab_size: int = VOCAB, texts: list[str] | None = None, specials=(EOS,)) -> Tokenizer:
+    """Byte-level BPE on `texts` (default: `stdlib_text()`), the special tokens first (EOS as id 0)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(stdlib_text(), trainer)
+    tok.train_from_iterator(stdlib_text() if texts is None else texts, trainer)
     return tok
 
 
