@@ -299,9 +299,14 @@ def set_path(tree: dict, path: tuple, value) -> None:
 
 def load_model(model_dir: str | os.PathLike, dtype="float32", *, progress: bool | None = None):
     """Config + weights: returns (Qwen3_5Model, Qwen3_5Config). A directory written by
-    `spec-jax convert` is restored with Orbax instead of converted again."""
+    `spec-jax convert` is restored with Orbax instead of converted again; a `.gguf` file (or a
+    directory holding one and no safetensors) is read by `checkpoint_gguf`."""
+    from spec_jax.checkpoint_gguf import find_gguf, load_gguf
     from spec_jax.convert import is_converted, restore
 
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        return load_gguf(gguf_file, resolve_dtype(dtype), progress=progress)
     if is_converted(model_dir):
         return restore(model_dir, dtype if isinstance(dtype, str) else None)
     cfg = load_config(model_dir)

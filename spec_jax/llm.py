@@ -29,6 +29,7 @@ from proposers.ngram import NgramProposer
 from proposers.oracle import OracleProposer, OracleTokens
 from spec_jax.checkpoint import load_model, read_json, resolve_dtype
 from spec_jax.checkpoint_drafters import load_dflash, load_eagle3
+from spec_jax.checkpoint_gguf import find_gguf, gguf_tokenizer
 from spec_jax.engine import Engine, SpecPlan, enable_compilation_cache
 from spec_jax.sampling import RowSampling
 from spec_jax.spec_config import NEEDS_MODEL, SpeculativeConfig, parse_speculative_config
@@ -116,11 +117,9 @@ class LLM:
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
         spec = parse_speculative_config(speculative_config, target_model=model)  # fail fast, before loading
-        if str(model).endswith(".gguf"):
-            if spec is not None and spec.method == "dspark":
-                raise ValueError(f"speculative method 'dspark' needs a safetensors target, not the GGUF file {model!r}")
-            raise ValueError(f"{model!r} is a GGUF file; GGUF targets are not supported yet, pass an HF safetensors "
-                             f"directory")
+        gguf_file = find_gguf(model)
+        if gguf_file is not None and spec is not None and spec.method == "dspark":
+            raise ValueError(f"speculative method 'dspark' needs a safetensors target, not the GGUF file {model!r}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be at least 1")
         enable_compilation_cache()
@@ -137,6 +136,8 @@ class LLM:
         self.tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
         if tokenizer and self.tokenizer is None:
             raise ValueError(f"tokenizer file {tokenizer!r} does not exist")
+        if not tokenizer and gguf_file is not None:
+            self.tokenizer = gguf_tokenizer(gguf_file)  # tokenizer.json beside it, else the GGUF's own vocabulary
         self.seed = seed
         self._requests = 0
 
