@@ -77,20 +77,22 @@ def find_gguf(model: str | os.PathLike) -> Path | None:
 # ----------------------------------------------------------------------------- names
 
 
-def gguf_names(name: str, arch: str, n_layers: int, tensor_map: gguf.TensorNameMap) -> list[str] | None:
+def gguf_names(name: str, arch: str, n_layers: int, tensor_map: gguf.TensorNameMap, *,
+               fused_experts: bool = False) -> list[str] | None:
     """Text-only HF tensor name -> its GGUF tensor name(s), or None if `arch` has no such tensor.
 
-    `mtp.layers.0.*` is block n_layers; the routed experts' `gate_up_proj` is two GGUF tensors.
+    `mtp.layers.0.*` is block n_layers; the routed experts' `gate_up_proj` is two GGUF tensors
+    (`ffn_gate_exps`, `ffn_up_exps`), or with fused_experts the one `ffn_gate_up_exps`.
     """
     if name in NEXTN:
         return [gguf.TENSOR_NAMES[NEXTN[name]].format(bid=n_layers) + ".weight"]
     if name.startswith("mtp.layers."):
         _, _, index, rest = name.split(".", 3)
         name = f"model.layers.{n_layers + int(index)}.{rest}"
-    if name.endswith("experts.gate_up_proj"):
+    if name.endswith("experts.gate_up_proj") and not fused_experts:
         parts = [gguf_names(name.replace("gate_up_proj", proj), arch, n_layers, tensor_map) for proj in ("gate_proj", "up_proj")]
         return None if None in parts else parts[0] + parts[1]
-    if name.endswith("experts.down_proj"):
+    if name.endswith(("experts.down_proj", "experts.gate_up_proj")):
         name += ".weight"
     if name.endswith(".dt_bias"):
         name = name[: -len("dt_bias")] + "dt_proj.bias"  # the converter's rename
@@ -271,6 +273,10 @@ class GGUFSource:
         self.tensor_map = gguf.get_tensor_name_map(ARCHS[self.arch], self.cfg.num_hidden_layers + 1)
 
     def names_for(self, name: str) -> list[str] | None:
+        """The GGUF tensors holding `name`; routed experts may be stored split or fused."""
+        fused = gguf_names(name, self.arch, self.cfg.num_hidden_layers, self.tensor_map, fused_experts=True)
+        if name.endswith("experts.gate_up_proj") and fused and fused[0] in self.tensors:
+            return fused
         return gguf_names(name, self.arch, self.cfg.num_hidden_layers, self.tensor_map)
 
     def __contains__(self, name: str) -> bool:

@@ -14,7 +14,7 @@ import time
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="checkpoint directory (HF safetensors); default: the embedded default model")
+                   help="checkpoint directory (HF safetensors) or a .gguf file; default: the embedded default model")
     p.add_argument("--dtype", default="auto", help="bfloat16, float32 or auto (bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default 4096)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="batch rows per step")

@@ -221,9 +221,10 @@ def write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, cfg: Qwen3_5Config) -> boo
 
 
 def write_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike, type_name: str = "f32", *, mtp: bool = True,
-               progress: bool = False) -> Path:
+               fused_experts: bool = False, progress: bool = False) -> Path:
     """Convert the HF checkpoint in `hf_dir` to the GGUF file `out`, tensors stored as `type_name`
-    (a key of TYPES). mtp=False leaves the nextn block out, as `--no-mtp` converters do."""
+    (a key of TYPES). mtp=False leaves the nextn block out, as `--no-mtp` converters do;
+    fused_experts stores routed experts as one `ffn_gate_up_exps` (a layout llama.cpp also reads)."""
     if type_name not in TYPES:
         raise ValueError(f"unknown GGUF type {type_name!r}; expected one of {', '.join(TYPES)}")
     hf_dir, out = Path(hf_dir), Path(out)
@@ -239,7 +240,7 @@ def write_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike, type_name: str
     write_tokenizer(w, hf_dir, cfg)
     for name in tqdm(converted_names(cfg), desc="converting", disable=not progress):
         x = to_gguf(name, hf_tensor(src, name, cfg), cfg)
-        targets = gguf_names(name, arch, L, tensor_map)
+        targets = gguf_names(name, arch, L, tensor_map, fused_experts=fused_experts)
         parts = np.split(x, 2, axis=-2) if len(targets) == 2 else [x]  # experts: gate rows, then up rows
         for target, part in zip(targets, parts):
             data, raw_dtype = encode(part, storage_type(name, part, TYPES[type_name]))

@@ -53,12 +53,15 @@ def params_of(model) -> dict:
 
 # dense and MoE (VL-wrapped, MoE sharded with fused experts) with MTP heads; Qwen3-Next with its fused
 # in_proj_qkvz / in_proj_ba and one tensor per expert. All written by HF transformers, every weight random.
-@pytest.mark.parametrize("case", ["dense_vl", "moe_vl", "next"])
-def test_f32_gguf_equals_safetensors(case, tmp_path):
+# moe_vl is written a second time with fused `ffn_gate_up_exps` experts.
+@pytest.mark.parametrize("case, fused", [("dense_vl", False), ("moe_vl", False), ("moe_vl", True), ("next", False)])
+def test_f32_gguf_equals_safetensors(case, fused, tmp_path):
     src = HF_FIXTURES / case
     ref = np.load(src / "reference.npz")
     model, cfg = load_model(src, "float32")
-    got, got_cfg = load_model(write_gguf(src, tmp_path / "m.gguf"), "float32")
+    path = write_gguf(src, tmp_path / "m.gguf", fused_experts=fused)
+    assert ("blk.0.ffn_gate_up_exps.weight" in {t.name for t in gguf.GGUFReader(path).tensors}) == fused
+    got, got_cfg = load_model(path, "float32")
     assert got_cfg == cfg
     want, want_mtp = forward(model, ref["input_ids"])
     logits, mtp = forward(got, ref["input_ids"])
