@@ -1,0 +1,116 @@
+"""Acceptance of every drafter of a trained model on held-out prose and code, and spec-on against
+spec-off decode speed (greedy, jitted, warm: each configuration runs once to compile, then is
+timed on a second run).
+
+    python bench/acceptance.py --model spec_jax/assets/default --corpus corpus.npz --out results/acceptance
+
+Prompts are evenly spaced windows of the corpus's held-out streams (`--corpus`, the file training
+used), or, without it, of this machine's held-out standard-library documents tokenized with the
+model's tokenizer. Methods: mtp k = 1..3, ngram k = 3, dflash (k = block_size - 1) when
+MODEL/dflash exists, draft_model k = 3 and 4 when MODEL/draft exists. Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from spec_jax import LLM, SamplingParams
+from spec_jax.training.corpus import KINDS, heldout_texts, load_corpus
+
+
+def prompts_for(kind: str, args, llm: LLM) -> list[list[int]]:
+    """n evenly spaced held-out windows of `prompt_tokens` tokens."""
+    if args.corpus:
+        stream = load_corpus(args.corpus).streams[kind, "heldout"].astype(int)
+    else:
+        stream = np.asarray([t for text in heldout_texts(kind) for t in llm.tokenizer.encode(text)])
+    starts = np.linspace(0, len(stream) - args.prompt_tokens, args.prompts).astype(int)
+    return [stream[s:s + args.prompt_tokens].tolist() for s in starts]
+
+
+def speculative_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
+    specs = [{"method": "mtp", "num_speculative_tokens": k} for k in (1, 2, 3)] if has_mtp else []
+    specs.append({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    if (model_dir / "dflash" / "config.json").exists():
+        block = json.loads((model_dir / "dflash" / "config.json").read_text())["dflash_config"]["block_size"]
+        specs.append({"method": "dflash", "model": str(model_dir / "dflash"), "num_speculative_tokens": block - 1})
+    if (model_dir / "draft" / "config.json").exists():
+        specs += [{"method": "draft_model", "model": str(model_dir / "draft"), "num_speculative_tokens": k}
+                  for k in (3, 4)]
+    return specs
+
+
+def timed_run(llm: LLM, prompts, params: SamplingParams, batch: int) -> tuple[dict, list[list[int]]]:
+    """Compile, then time a second run: decode tokens/s over every batch, and the acceptance figures."""
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    decode_s = sum(o.metrics["decode_s"] for o in outs[::batch])  # rows of one batch share its decode time
+    generated = sum(o.metrics["num_generated_tokens"] - 1 for o in outs)  # the first token comes from prefill
+    row = {"decode_tok_s": generated / decode_s}
+    for key in ("acceptance_rate", "mean_acceptance_length", "acceptance_per_position"):
+        if key in llm.metrics:
+            row[key] = llm.metrics[key]
+    return row, [o.outputs[0].token_ids for o in outs]
+
+
+def label(spec: dict | None) -> str:
+    return "off" if spec is None else f"{spec['method']} k={spec['num_speculative_tokens']}"
+
+
+def markdown(rows: list[dict], device: str) -> str:
+    lines = [f"Device: {device}. Greedy; decode tokens/s after a compile run.", "",
+             "| kind | method | acceptance rate | mean acceptance length | per position | tok/s | speedup | "
+             "same output |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        per_pos = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", []))
+        acc = f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"
+        mal = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
+        lines.append(f"| {r['kind']} | {r['method']} | {acc} | {mal} | {per_pos or '-'} | {r['decode_tok_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['same_output']}/{r['prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="the trained export (target, dflash/, draft/)")
+    ap.add_argument("--corpus", default=None, help="the training corpus .npz (its held-out streams give prompts)")
+    ap.add_argument("--out", required=True, help="output path prefix: OUT.json and OUT.md")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per kind")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1, help="rows per decode batch")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args(argv)
+
+    model_dir = Path(args.model)
+    base = LLM(model=str(model_dir), dtype=args.dtype, max_num_seqs=args.batch,
+               max_model_len=args.prompt_tokens + args.new_tokens + 16)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    device = jax.devices()[0].device_kind
+    rows = []
+    for kind in KINDS:
+        prompts = prompts_for(kind, args, base)
+        plain, reference = timed_run(base, prompts, params, args.batch)
+        for spec in [None, *speculative_configs(model_dir, base.model.mtp is not None)]:
+            r, tokens = (plain, reference) if spec is None else timed_run(base.with_speculation(spec), prompts,
+                                                                          params, args.batch)
+            r = {**r, "kind": kind, "method": label(spec), "spec": spec, "prompts": len(prompts),
+                 "speedup": r["decode_tok_s"] / plain["decode_tok_s"],
+                 "same_output": sum(a == b for a, b in zip(tokens, reference))}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": device, "model": str(model_dir), **{k: v for k, v in vars(args).items() if k != "model"}}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows, device))
+    print(markdown(rows, device))
+
+
+if __name__ == "__main__":
+    main()
