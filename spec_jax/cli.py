@@ -61,8 +61,11 @@ def generate(args) -> None:
     if args.prompt and args.prompt_token_ids:
         raise SystemExit("error: give --prompt or --prompt-token-ids, not both")
     if args.model is None:
-        print("NOTE: no --model given: using the embedded default model. Its weights are RANDOM, "
-              "so its text is noise; pass --model DIR for a real checkpoint.", file=sys.stderr)
+        from spec_jax.default_model import is_trained_default
+
+        if not is_trained_default():
+            print("NOTE: no --model given: using the embedded default model. Its weights are RANDOM, "
+                  "so its text is noise; pass --model DIR for a real checkpoint.", file=sys.stderr)
     stop = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop_token_ids=stop, ignore_eos=args.ignore_eos)

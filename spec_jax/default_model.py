@@ -1,9 +1,12 @@
-"""The embedded default model: a small RANDOM-weight Qwen3.5 checkpoint, built on first use.
+"""The embedded default model.
 
-It has the released layout (VL-wrapped names, `mtp.*` head, bf16 safetensors, config.json and a
-byte-level BPE `tokenizer.json` trained on Python's own standard-library source), so every code
-path of a real checkpoint runs. Its weights are random: its text is noise. It is written to
-`$SPEC_JAX_HOME/default-random-v1` (default `~/.cache/spec_jax`).
+When the repo ships the trained checkpoint (`spec_jax/assets/default/`: a small Qwen3.5 target
+with its MTP head, `dflash/` a DFlash drafter and `draft/` a Qwen3 draft model, trained by
+`python -m spec_jax.training.train` on Python's standard library), that is the default. Without
+it, a small RANDOM-weight Qwen3.5 checkpoint in the released layout (VL-wrapped names, `mtp.*`
+head, bf16 safetensors, config.json and a byte-level BPE `tokenizer.json` trained on the
+standard library's source) is built on first use into `$SPEC_JAX_HOME/default-random-v1`
+(default `~/.cache/spec_jax`), so every code path of a real checkpoint still runs; its text is noise.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from models.qwen3_5 import Qwen3_5Config
 from spec_jax.random_checkpoint import write_checkpoint
 
 NAME = "default-random-v1"
+ASSETS = Path(__file__).parent / "assets" / "default"  # the trained checkpoint, when shipped
 VOCAB = 2048
 EOS = "<|im_end|>"
 DEFAULT_CONFIG = Qwen3_5Config(
@@ -59,8 +63,16 @@ def train_tokenizer(vocab_size: int = VOCAB, texts: list[str] | None = None, spe
     return tok
 
 
+def is_trained_default() -> bool:
+    """Whether the trained default checkpoint ships with this install."""
+    return (ASSETS / "config.json").exists()
+
+
 def default_model_dir() -> Path:
-    """The default checkpoint's folder, built (a few seconds) the first time."""
+    """The shipped trained checkpoint; without it the random fallback, built (a few seconds) the
+    first time."""
+    if is_trained_default():
+        return ASSETS
     target = home() / NAME
     if (target / "config.json").exists():
         return target
