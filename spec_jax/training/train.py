@@ -414,7 +414,9 @@ def main(argv=None) -> None:
         export.export_draft(out / "draft", cfg, params)
         log(f"exported the draft model to {out / 'draft'}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "training_log.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    log_path = out / "training_log.json"  # a later run of some stages updates the earlier run's log
+    earlier = json.loads(log_path.read_text()) if log_path.exists() else {}
+    log_path.write_text(json.dumps({**earlier, **report}, indent=1, default=str) + "\n")
     sizes = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     log(f"export: {sum(sizes.values()) / 1e6:.1f} MB in {len(sizes)} files, largest "
         f"{max(sizes.values()) / 1e6:.1f} MB")
