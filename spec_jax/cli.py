@@ -3,6 +3,8 @@
     spec-jax generate --model DIR --prompt "def fib(n):" --max-tokens 64
     spec-jax generate --prompt-token-ids 1,2,3 --temperature 0.8 --seed 1
     spec-jax generate --model DIR --prompt "..." --speculative-config '{"method":"mtp","num_speculative_tokens":2}'
+    spec-jax serve --model DIR --max-num-seqs 8 --port 8000
+    spec-jax bench --model DIR --input prompts.jsonl --speculative-config '{"method":"ngram"}'
 """
 
 from __future__ import annotations
@@ -39,6 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--stop-token-ids", default=None, help="comma-separated extra stop token ids")
     gen.add_argument("--ignore-eos", action="store_true")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template file, for checkpoints whose tokenizer_config.json has none")
+    serve.add_argument("--steps-per-chunk", type=int, default=4, help="decode steps per device call between streams")
+    bench = sub.add_parser("bench", help="batch eval: a JSONL of prompts through the jitted engine, with metrics")
+    add_model_args(bench)
+    bench.add_argument("--input", required=True, help='JSONL, one {"prompt": ...} or {"prompt_token_ids": [...]} a line')
+    bench.add_argument("--output", default=None, help="per-request outputs (JSONL); default: INPUT.outputs.jsonl")
+    bench.add_argument("--metrics", default=None, help="aggregate metrics (JSON); default: INPUT.metrics.json")
+    bench.add_argument("--max-tokens", type=int, default=64, help="for lines that do not set max_tokens")
+    bench.add_argument("--temperature", type=float, default=0.0, help="for lines that do not set temperature")
+    bench.add_argument("--no-warmup", action="store_true", help="time compilation too (default: compile first)")
     conv = sub.add_parser("convert", help="save a checkpoint's converted parameters with Orbax for fast loading")
     conv.add_argument("--model", required=True, help="the HF safetensors checkpoint directory")
     conv.add_argument("--output", required=True, help="an empty or new directory")
@@ -53,8 +71,20 @@ def parse_ids(text: str, flag: str) -> list[int]:
         raise SystemExit(f"error: {flag} {text!r} is not a comma-separated list of integers") from None
 
 
+def load_llm(args):
+    from spec_jax.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, seed=args.seed, speculative_config=args.speculative_config,
+              rollback=args.rollback)
+    print(f"loaded {llm.model_path} ({llm.cfg.model_type}, {llm.cfg.num_hidden_layers} layers) "
+          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return llm
+
+
 def generate(args) -> None:
-    from spec_jax.llm import LLM, SamplingParams
+    from spec_jax.llm import SamplingParams
 
     if not args.prompt and not args.prompt_token_ids:
         raise SystemExit("error: give --prompt TEXT or --prompt-token-ids IDS")
@@ -69,12 +99,7 @@ def generate(args) -> None:
     stop = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop_token_ids=stop, ignore_eos=args.ignore_eos)
-    t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, seed=args.seed, speculative_config=args.speculative_config,
-              rollback=args.rollback)
-    print(f"loaded {llm.model_path} ({llm.cfg.model_type}, {llm.cfg.num_hidden_layers} layers) "
-          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    llm = load_llm(args)
     if args.prompt:
         outs = llm.generate(args.prompt, params)
     else:
@@ -95,6 +120,24 @@ def generate(args) -> None:
               f"{a['num_accepted_tokens']}/{a['num_draft_tokens']} drafts accepted]", file=sys.stderr)
 
 
+def serve(args) -> None:
+    import uvicorn
+
+    from spec_jax.server import Server, build_app
+
+    server = Server(load_llm(args), served_model_name=args.served_model_name, chat_template=args.chat_template,
+                    steps_per_chunk=args.steps_per_chunk)
+    print(f"serving {server.name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(build_app(server), host=args.host, port=args.port)
+
+
+def bench(args) -> None:
+    from spec_jax.batch_eval import run_file
+
+    run_file(load_llm(args), args.input, args.output, args.metrics, max_tokens=args.max_tokens,
+             temperature=args.temperature, warmup=not args.no_warmup)
+
+
 def convert(args) -> None:
     from spec_jax.convert import convert as write
 
@@ -106,7 +149,7 @@ def convert(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": generate, "convert": convert}[args.command](args)
+        {"generate": generate, "serve": serve, "bench": bench, "convert": convert}[args.command](args)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -214,6 +214,27 @@ def decode_loop(model: Qwen3_5Model, draft, state: DecodeState, max_steps, *, do
     return jax.lax.while_loop(cond, partial(step, model, draft), state)
 
 
+def insert_row(state: DecodeState, row: jax.Array, new: DecodeState) -> DecodeState:
+    """Write the one-row state `new` (a batch-1 prefill) into row `row` [] int32 of the B-row
+    `state`: tokens, lengths, sampling, every cache and the proposer's state; `steps` stays the
+    batch's. A leaf's batch axis is the one where `new` has 1 and `state` has B (caches are
+    [G, B, ...], the rest [B, ...]); with B = 1 the row replaces the whole leaf."""
+    B = state.done.shape[0]
+
+    def put(old, one):
+        if old.ndim == 0:
+            return old
+        axes = [i for i, (a, b) in enumerate(zip(old.shape, one.shape)) if a != b]
+        if not axes and B == 1:
+            return one
+        if len(axes) != 1 or one.shape[axes[0]] != 1:
+            raise ValueError(f"cannot insert a leaf of shape {one.shape} into one of shape {old.shape}: "
+                             f"expected the same shape with 1 in place of the batch size {B}")
+        return jax.lax.dynamic_update_slice_in_dim(old, one, row, axes[0])
+
+    return jax.tree.map(put, state, new)
+
+
 def forward_logits(model: Qwen3_5Model, draft, tokens, length, *, cache_len: int):
     """Full-sequence logits of one right-padded sequence: tokens [1, T], length [1] -> [1, T, V]."""
     cache = init_cache(model.cfg, 1, cache_len, model.dtype)
@@ -281,6 +302,12 @@ class Engine:
     def decode(self, state: DecodeState, max_steps: int, do_sample: bool) -> DecodeState:
         fn = partial(decode_loop, do_sample=do_sample, plan=self.plan)
         return self._compiled("decode", fn, state, jnp.asarray(max_steps, jnp.int32), static=(do_sample,), donate=(0,))
+
+    def insert(self, state: DecodeState, row: int, new: DecodeState) -> DecodeState:
+        """Continuous batching: put a one-row prefill `new` into slot `row` of the live `state`
+        (donated). One executable per engine: `new`'s shapes do not depend on the prompt bucket."""
+        fn = lambda model, draft, *a: insert_row(*a)
+        return self._compiled("insert", fn, state, jnp.asarray(row, jnp.int32), new, donate=(0,))
 
     def logits(self, token_ids: np.ndarray) -> np.ndarray:
         T = len(token_ids)

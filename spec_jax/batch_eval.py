@@ -1,0 +1,116 @@
+"""Batch eval: a JSONL of prompts through the jitted engine; per-request outputs and aggregate metrics.
+
+    spec-jax bench --model DIR --input prompts.jsonl --speculative-config '{"method":"mtp","num_speculative_tokens":2}'
+
+Each input line is {"prompt": TEXT} or {"prompt_token_ids": [ids]}, optionally with max_tokens,
+temperature, top_p, top_k, seed, ignore_eos, and an "id" copied to its output line. The
+prompts run through `LLM.generate` in batches of max_num_seqs rows, shortest first so that a
+batch shares a prompt bucket; a warm-up pass of one token per prompt compiles every bucket
+first, so tokens/s is decode speed, not compilation. Outputs come back in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from spec_jax.llm import LLM, RequestOutput, SamplingParams
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+LINE_KEYS = {"id", "prompt", "prompt_token_ids", *SAMPLING_KEYS}
+
+
+@dataclasses.dataclass
+class EvalRequest:
+    line: int
+    id: object
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def read_requests(llm: LLM, path: str | Path, *, max_tokens: int, temperature: float) -> list[EvalRequest]:
+    """Parse and check every line (blank lines are skipped); a bad line raises ValueError
+    naming its number."""
+    requests = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                requests.append(parse_line(llm, line, n, max_tokens=max_tokens, temperature=temperature))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{path} line {n}: {e}") from None
+    if not requests:
+        raise ValueError(f"{path} has no prompts")
+    return requests
+
+
+def parse_line(llm: LLM, line: str, n: int, *, max_tokens: int, temperature: float) -> EvalRequest:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - LINE_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}; expected some of {', '.join(sorted(LINE_KEYS))}")
+    if ("prompt" in obj) == ("prompt_token_ids" in obj):
+        raise ValueError('give exactly one of "prompt" (text) or "prompt_token_ids"')
+    prompt = obj.get("prompt")
+    ids = llm._encode(prompt, "prompt") if prompt is not None else obj["prompt_token_ids"]
+    if not isinstance(ids, list):
+        raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+    settings = {"max_tokens": max_tokens, "temperature": temperature, **{k: obj[k] for k in SAMPLING_KEYS if k in obj}}
+    return EvalRequest(n, obj.get("id"), prompt, llm._check_ids(ids, "the prompt"), SamplingParams(**settings))
+
+
+def run(llm: LLM, requests: list[EvalRequest], *, warmup: bool = True) -> tuple[list[RequestOutput], dict]:
+    """Generate every request; returns the outputs in input order and the aggregate metrics
+    (`llm.metrics` plus prompt tokens and wall time)."""
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_token_ids))
+    ids = [requests[i].prompt_token_ids for i in order]
+    params = [requests[i].params for i in order]
+    if warmup:
+        one_token = [dataclasses.replace(p, max_tokens=1) for p in params]
+        llm.generate(prompt_token_ids=ids, sampling_params=one_token, use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    wall = time.perf_counter() - t0
+    outputs: list[RequestOutput] = [None] * len(requests)  # type: ignore[list-item]
+    for i, out in zip(order, outs):
+        outputs[i] = out
+    spec = llm.speculative_config
+    metrics = {**llm.metrics, "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "wall_s": wall,
+               "model": str(llm.model_path), "max_num_seqs": llm.engine.max_num_seqs, "warmup": warmup,
+               "speculative_config": None if spec is None else dataclasses.asdict(spec)}
+    return outputs, metrics
+
+
+def output_line(req: EvalRequest, out: RequestOutput) -> dict:
+    c = out.outputs[0]
+    line = {"line": req.line, "id": req.id, "prompt": req.prompt, "prompt_token_ids": req.prompt_token_ids,
+            "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason, "metrics": out.metrics}
+    return {k: v for k, v in line.items() if v is not None}
+
+
+def run_file(llm: LLM, input_path: str, output_path: str | None = None, metrics_path: str | None = None, *,
+             max_tokens: int = 64, temperature: float = 0.0, warmup: bool = True) -> dict:
+    """Read `input_path`, generate, write outputs (JSONL) and metrics (JSON) next to it unless
+    told where; returns the metrics."""
+    requests = read_requests(llm, input_path, max_tokens=max_tokens, temperature=temperature)
+    outputs, metrics = run(llm, requests, warmup=warmup)
+    stem = Path(input_path).with_suffix("")
+    output_path = Path(output_path or f"{stem}.outputs.jsonl")
+    metrics_path = Path(metrics_path or f"{stem}.metrics.json")
+    output_path.write_text("".join(json.dumps(output_line(r, o)) + "\n" for r, o in zip(requests, outputs)))
+    metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    summary = f"{metrics['num_requests']} requests, {metrics['num_generated_tokens']} tokens in " \
+              f"{metrics['wall_s']:.2f}s ({metrics['tokens_per_s']:.1f} tok/s)"
+    if "acceptance_rate" in metrics:
+        summary += f", acceptance rate {metrics['acceptance_rate']:.3f}, mean acceptance length " \
+                   f"{metrics['mean_acceptance_length']:.2f}"
+    print(f"{summary}; outputs in {output_path}, metrics in {metrics_path}", file=sys.stderr)
+    return metrics

@@ -1,0 +1,485 @@
+"""An OpenAI-compatible HTTP server over the continuous-batching `Scheduler`.
+
+    spec-jax serve --model DIR --speculative-config '{"method":"mtp","num_speculative_tokens":2}'
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "DIR", "prompt": "def f(x):", "max_tokens": 16, "temperature": 0}'
+
+Endpoints: /v1/completions, /v1/chat/completions (both stream with server-sent events ending in
+`data: [DONE]`), /v1/models, /health, /metrics (Prometheus text). Extensions beyond OpenAI's
+fields, spelled like vLLM's: top_k, stop_token_ids, ignore_eos, skip_special_tokens,
+return_token_ids, chat_template_kwargs, and the per-request `speculative` opt-out.
+
+Chat prompts are rendered from the checkpoint's own template (tokenizer_config.json's
+`chat_template`, or chat_template.jinja beside it, or `--chat-template FILE`) with jinja2 in a
+sandbox, as HF transformers does. A checkpoint without one has no fallback: chat requests get a
+400 that says so, because a guessed template would prompt the model in a format it never saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
+
+from spec_jax.llm import LLM, SamplingParams
+from spec_jax.scheduler import MAX_STOP_TOKEN_IDS, Scheduler
+
+
+class APIError(Exception):
+    """An error the client caused (or a server failure), sent as OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+
+class SamplingFields(BaseModel):
+    """The fields completions and chat share. Unknown fields are ignored, as OpenAI's API does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    speculative: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    user: str | None = None
+
+
+class CompletionBody(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatBody(SamplingFields):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    tools: list | None = None
+    response_format: dict | None = None
+    chat_template_kwargs: dict | None = None
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """Fields this server cannot honour, when set to anything but their neutral value."""
+    unsupported = {"presence_penalty": body.presence_penalty not in (0, None),
+                   "frequency_penalty": body.frequency_penalty not in (0, None),
+                   "logit_bias": bool(body.logit_bias),
+                   "logprobs": bool(getattr(body, "logprobs", None)),
+                   "echo": bool(getattr(body, "echo", False)),
+                   "best_of": getattr(body, "best_of", None) not in (None, 1),
+                   "suffix": getattr(body, "suffix", None) is not None,
+                   "tools": bool(getattr(body, "tools", None)),
+                   "response_format": (getattr(body, "response_format", None) or {}).get("type", "text") != "text"}
+    for name, is_set in unsupported.items():
+        if is_set:
+            raise APIError(400, f"{name} is not supported by this server; leave it unset", param=name)
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
+    if len(body.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+        raise APIError(400, f"{len(body.stop_token_ids)} stop_token_ids given; at most {MAX_STOP_TOKEN_IDS} are "
+                            f"supported", param="stop_token_ids")
+    try:
+        return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                              seed=body.seed, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
+                              ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
+                              speculative=body.speculative)
+    except ValueError as e:
+        name = re.match(r"\w+", str(e))
+        raise APIError(400, str(e), param=name.group(0) if name else None) from None
+
+
+def stop_strings(body: SamplingFields) -> list[str]:
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must be non-empty", param="stop")
+    return stops
+
+
+# ----------------------------------------------------------------------------- chat template
+
+
+def read_chat_template(model_dir: str | Path, override: str | None = None) -> str | None:
+    """The chat template: `override` (a file), else the checkpoint's tokenizer_config.json
+    `chat_template` (a string, or a list of named ones: "default" or the first), else its
+    chat_template.jinja; None if it has none."""
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise ValueError(f"chat template file {override!r} does not exist")
+        return path.read_text()
+    config = tokenizer_config(model_dir)
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default", template[0].get("template") if template else None)
+    if template:
+        return template
+    jinja_file = Path(model_dir) / "chat_template.jinja"
+    return jinja_file.read_text() if jinja_file.is_file() else None
+
+
+def tokenizer_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def special_token_text(config: dict, name: str) -> str:
+    value = config.get(name) or ""
+    return value.get("content", "") if isinstance(value, dict) else value
+
+
+class ChatTemplate:
+    """A compiled chat template: messages -> prompt text, with HF's rendering conventions
+    (trim_blocks, lstrip_blocks, loop controls, tojson, raise_exception, strftime_now)."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                      ensure_ascii=ensure_ascii)
+        env.globals["raise_exception"] = self._raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the chat template does not parse: {e}") from None
+        self.specials = {"bos_token": bos_token, "eos_token": eos_token}
+
+    @staticmethod
+    def _raise(message: str):
+        raise jinja2.TemplateError(message)
+
+    def render(self, messages: list[dict], extra: dict | None = None) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True,
+                                        **{**self.specials, **(extra or {})})
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+
+
+# ----------------------------------------------------------------------------- text out
+
+
+class TextDelta:
+    """Turns one choice's token ids into text increments: holds back an incomplete UTF-8
+    character and anything that could still become a stop string; cuts at a stop string."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool, stops: list[str]):
+        self.tokenizer, self.skip, self.stops = tokenizer, skip_special_tokens, stops
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, ids: list[int], final: bool) -> str:
+        """Append ids; return the new text that is safe to send (all of it when final)."""
+        self.ids += ids
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.ids, self.skip)
+        cut = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stops) if i >= 0]
+        if cut:
+            text, self.stopped, final = text[:min(cut)], True, True
+        safe = len(text) if final else len(text) - max((len(s) - 1 for s in self.stops), default=0)
+        if not final and text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        if safe <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:safe], safe
+        return out
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+class Server:
+    """What the endpoints share: the model, its scheduler, its served name and chat template."""
+
+    def __init__(self, llm: LLM, *, served_model_name: str | None = None, chat_template: str | None = None,
+                 steps_per_chunk: int = 4):
+        self.llm = llm
+        self.name = served_model_name or str(llm.model_path)
+        self.scheduler = Scheduler(llm, steps_per_chunk=steps_per_chunk)
+        config = tokenizer_config(llm.model_path)
+        source = read_chat_template(llm.model_path, chat_template)
+        self.chat_template = None if source is None else ChatTemplate(
+            source, special_token_text(config, "bos_token"), special_token_text(config, "eos_token"))
+        self.created = int(time.time())
+
+    def warm_up(self) -> None:
+        """Compile the common executables (the shortest prompt bucket, greedy) before serving."""
+        for _ in self.scheduler.stream([0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
+            pass
+        self.scheduler.reset_counters()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.name:
+            raise APIError(404, f"The model {name!r} does not exist; this server serves {self.name!r}",
+                           param="model", code="model_not_found")
+
+    def encode(self, prompt, param: str) -> list[int]:
+        """Text or token ids -> checked token ids."""
+        try:
+            ids = self.llm._encode(prompt, param) if isinstance(prompt, str) else prompt
+            return self.llm._check_ids(ids, param)
+        except (TypeError, ValueError) as e:
+            code = "context_length_exceeded" if "max_model_len" in str(e) else None
+            raise APIError(400, str(e), param=param, code=code) from None
+
+    def check_room(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        limit = self.llm.max_model_len
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
+                                f"completion). Reduce the prompt or max_tokens.", param=param,
+                           code="context_length_exceeded")
+
+    async def choices(self, prompts: list[list[int]], params: SamplingParams,
+                      stops: list[str]) -> AsyncIterator[tuple[int, str, list[int], str | None, str | None]]:
+        """Run the prompts through the scheduler; yield (index, text delta, new ids, finish
+        reason or None, error or None) as tokens arrive. Leaving early cancels what runs."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def sink(index):
+            return lambda update: loop.call_soon_threadsafe(updates.put_nowait, (index, update))
+
+        requests = [self.scheduler.submit(ids, params, sink(i)) for i, ids in enumerate(prompts)]
+        texts = [TextDelta(self.llm.tokenizer, params.skip_special_tokens, stops) for _ in prompts]
+        running = set(range(len(prompts)))
+        try:
+            while running:
+                i, update = await updates.get()
+                if i not in running:
+                    continue
+                reason = update.finish_reason
+                delta = texts[i].add(update.token_ids, final=reason is not None)
+                if texts[i].stopped:  # a stop string: the rest of this choice is not wanted
+                    self.scheduler.cancel(requests[i])
+                    reason = "stop"
+                if reason is not None:
+                    running.discard(i)
+                yield i, delta, update.token_ids, reason, update.error
+        finally:
+            for req in requests:
+                self.scheduler.cancel(req)
+
+
+def completion_prompts(server: Server, prompt) -> list[list[int]]:
+    """OpenAI's prompt forms: a string, token ids, or a list of either."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return [server.encode(p, "prompt") for p in prompt]
+
+
+def usage(prompts: list[list[int]], generated: list[list[int]]) -> dict:
+    p, c = sum(map(len, prompts)), sum(map(len, generated))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def complete(server: Server, body: SamplingFields, prompts: list[list[int]], params: SamplingParams,
+                   chat: bool):
+    """Both endpoints' response: one JSON body, or a stream of OpenAI chunks."""
+    stops = stop_strings(body)
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if body.stream and chat else
+            "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": server.name}
+    generated: list[list[int]] = [[] for _ in prompts]
+
+    def choice(i: int, text: str, ids: list[int], reason: str | None, final_body: bool) -> dict:
+        if chat and final_body:
+            content = {"message": {"role": "assistant", "content": text}}
+        elif chat:
+            content = {"delta": {"content": text} if text else {}}
+        else:
+            content = {"text": text}
+        out = {"index": i, **content, "logprobs": None, "finish_reason": reason}
+        if body.return_token_ids:
+            out["token_ids"] = ids
+        return out
+
+    if not body.stream:
+        texts = [""] * len(prompts)
+        reasons: list[str | None] = [None] * len(prompts)
+        async for i, delta, ids, reason, error in server.choices(prompts, params, stops):
+            if error:
+                raise APIError(500, f"generation failed: {error}", type="server_error")
+            texts[i] += delta
+            generated[i] += ids
+            reasons[i] = reason
+        out = {**head, "choices": [choice(i, texts[i], generated[i], reasons[i], True) for i in range(len(prompts))],
+               "usage": usage(prompts, generated)}
+        if body.return_token_ids:
+            out["prompt_token_ids"] = prompts
+        return JSONResponse(out)
+
+    async def events():
+        if chat:
+            for i in range(len(prompts)):
+                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+        async for i, delta, ids, reason, error in server.choices(prompts, params, stops):
+            if error:
+                yield sse(APIError(500, f"generation failed: {error}", type="server_error").body())
+                break
+            generated[i] += ids
+            if delta or reason is not None or (body.return_token_ids and ids):
+                yield sse({**head, "choices": [choice(i, delta, ids, reason, False)]})
+        if (body.stream_options or {}).get("include_usage"):
+            yield sse({**head, "choices": [], "usage": usage(prompts, generated)})
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def prometheus_text(stats: dict) -> str:
+    """The scheduler's counters in Prometheus' text format (speculation: finished requests)."""
+    drafts, drafted, accepted = (stats.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+    lines = []
+
+    def metric(name, kind, help_text, samples):
+        lines.extend([f"# HELP spec_jax_{name} {help_text}", f"# TYPE spec_jax_{name} {kind}"])
+        lines.extend(f"spec_jax_{name}{labels} {value}" for labels, value in samples)
+
+    reasons = ("stop", "length", "abort", "error")
+    metric("requests_total", "counter", "Finished requests by finish reason.",
+           [(f'{{finish_reason="{r}"}}', stats.get(f"requests_{r}", 0)) for r in reasons])
+    metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", stats.get("prompt_tokens", 0))])
+    metric("generation_tokens_total", "counter", "Tokens generated.", [("", stats.get("generation_tokens", 0))])
+    metric("spec_decode_num_drafts_total", "counter", "Steps that verified at least one draft.", [("", drafts)])
+    metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", [("", drafted)])
+    metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", [("", accepted)])
+    metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted drafts by draft position.",
+           [(f'{{position="{i}"}}', a) for i, a in enumerate(stats["accepted_per_position"])])
+    metric("spec_decode_acceptance_rate", "gauge", "Accepted / proposed draft tokens.",
+           [("", accepted / drafted if drafted else 0.0)])
+    metric("spec_decode_mean_acceptance_length", "gauge", "1 + accepted / drafting steps.",
+           [("", 1 + accepted / drafts if drafts else 1.0)])
+    metric("num_requests_running", "gauge", "Requests in a batch slot.", [("", stats["running"])])
+    metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", [("", stats["waiting"])])
+    return "\n".join(lines) + "\n"
+
+
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the scheduler thread."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.scheduler.start()
+        await asyncio.to_thread(server.warm_up)
+        yield
+        await asyncio.to_thread(server.scheduler.shutdown)
+
+    app = FastAPI(title="spec_jax", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error')}"
+                                         ).body(), status_code=400)
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        message = f"{where}: {first.get('msg', 'invalid request body')}" if where else first.get("msg", "invalid body")
+        return JSONResponse(APIError(400, message, param=where or None).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.name, "object": "model", "created": server.created,
+                                            "owned_by": "spec_jax", "max_model_len": server.llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(server.scheduler.stats()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        server.check_model(body.model)
+        refuse_unsupported(body)
+        params = sampling_params(body, body.max_tokens)
+        prompts = completion_prompts(server, body.prompt)
+        for ids in prompts:
+            server.check_room(ids, body.max_tokens, "max_tokens")
+        return await complete(server, body, prompts, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody):
+        server.check_model(body.model)
+        refuse_unsupported(body)
+        if server.chat_template is None:
+            raise APIError(400, f"{server.llm.model_path} has no chat template (no chat_template in its "
+                                f"tokenizer_config.json, no chat_template.jinja); start the server with "
+                                f"--chat-template FILE, or use /v1/completions", param="messages")
+        if not body.messages or any(not isinstance(m.get("role"), str) for m in body.messages):
+            raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = sampling_params(body, max_tokens)
+        ids = server.encode(server.chat_template.render(body.messages, body.chat_template_kwargs), "messages")
+        server.check_room(ids, max_tokens, "max_tokens")
+        return await complete(server, body, [ids], params, chat=True)
+
+    return app

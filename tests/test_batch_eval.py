@@ -1,0 +1,84 @@
+"""`spec-jax bench`: a JSONL of prompts through the jitted engine; its outputs and metrics equal
+a direct LLM.generate run's; bad lines are named."""
+
+import json
+
+import numpy as np
+import pytest
+
+from spec_jax import LLM, SamplingParams
+from spec_jax.batch_eval import read_requests
+from spec_jax.cli import main
+
+SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def lines(seed=0):
+    """Eight requests of varied length and budget; two are sampled with their own seeds."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(8):
+        line = {"id": f"r{i}", "prompt_token_ids": rng.integers(0, 60, rng.integers(2, 50)).tolist()}
+        if i % 2:
+            line["max_tokens"] = int(rng.integers(3, 40))
+        if i in (3, 6):
+            line.update(temperature=0.7, seed=int(rng.integers(1 << 20)), top_k=int(rng.integers(0, 10)))
+        out.append(line)
+    return out
+
+
+def test_metrics_and_outputs_equal_a_direct_run(echo_dir, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines()) + "\n\n")
+    rc = main(["bench", "--model", str(echo_dir), "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+               "--speculative-config", json.dumps(SPEC), "--input", str(src), "--max-tokens", "24"])
+    assert rc == 0
+    outputs = [json.loads(x) for x in (tmp_path / "prompts.outputs.jsonl").read_text().splitlines()]
+    metrics = json.loads((tmp_path / "prompts.metrics.json").read_text())
+
+    llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=SPEC)
+    keys = ("max_tokens", "temperature", "seed", "top_k")
+    params = [SamplingParams(**{"max_tokens": 24, "temperature": 0.0, **{k: x[k] for k in keys if k in x}})
+              for x in lines()]
+    ref = llm.generate(prompt_token_ids=[x["prompt_token_ids"] for x in lines()], sampling_params=params,
+                       use_tqdm=False)
+    per_request = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_per_position")
+    for line, got, want in zip(lines(), outputs, ref):
+        assert (got["id"], got["prompt_token_ids"]) == (line["id"], line["prompt_token_ids"])
+        assert (got["token_ids"], got["finish_reason"]) == (want.outputs[0].token_ids, want.outputs[0].finish_reason)
+        assert {k: got["metrics"][k] for k in per_request} == {k: want.metrics[k] for k in per_request}
+    for k in ("num_requests", "num_generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert metrics[k] == llm.metrics[k]
+    assert metrics["num_accepted_tokens"] > 0
+    for k in ("acceptance_rate", "mean_acceptance_length", "acceptance_per_position"):
+        assert metrics[k] == pytest.approx(llm.metrics[k])
+    assert metrics["num_prompt_tokens"] == sum(len(x["prompt_token_ids"]) for x in lines())
+    assert metrics["tokens_per_s"] > 0 and metrics["speculative_config"]["method"] == "mtp"
+
+
+BAD_LINES = [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"prompt_token_ids": [1], "temprature": 0}', "unknown key 'temprature'"),
+    ('{"prompt_token_ids": [1], "prompt": "a"}', "exactly one of"),
+    ('{"max_tokens": 3}', "exactly one of"),
+    ('{"prompt_token_ids": 5}', "must be a list"),
+    ('{"prompt_token_ids": [1, 99999]}', "outside the vocabulary"),
+    ('{"prompt_token_ids": []}', "empty"),
+    ('{"prompt_token_ids": [1], "temperature": -1}', "temperature"),
+    ('{"prompt": "text"}', "no tokenizer.json"),
+]
+
+
+@pytest.mark.parametrize("bad,message", BAD_LINES)
+def test_a_bad_line_is_named(tiny_llm, tmp_path, bad, message):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt_token_ids": [1, 2]}\n\n' + bad + "\n")
+    with pytest.raises(ValueError, match=f"line 3: .*{message}"):
+        read_requests(tiny_llm, src, max_tokens=8, temperature=0.0)
+
+
+def test_an_empty_file_is_refused(tiny_llm, tmp_path):
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        read_requests(tiny_llm, tmp_path / "e.jsonl", max_tokens=8, temperature=0.0)

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible server on a loopback port, driven by the real `openai` client and raw
+HTTP; the continuous-batching scheduler under it, with speculation."""
+
+import copy
+import json
+import re
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from conftest import TINY
+from spec_jax import LLM, SamplingParams
+from spec_jax.default_model import train_tokenizer
+from spec_jax.scheduler import Scheduler
+from spec_jax.server import APIError, ChatTemplate, Server, build_app, read_chat_template
+from spec_jax.tokenizer import Tokenizer
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llm, tmp_path_factory):
+    """The tiny model (4 slots, max_model_len 256) with a tokenizer and a chat template, served
+    by uvicorn in a thread on a free loopback port."""
+    d = tmp_path_factory.mktemp("server")
+    train_tokenizer(TINY.vocab_size).save(str(d / "tokenizer.json"))
+    (d / "chat.jinja").write_text(CHATML)
+    llm = copy.copy(tiny_llm)  # shares the loaded model and its compiled executables
+    llm.tokenizer = Tokenizer(d / "tokenizer.json")
+    server = Server(llm, served_model_name="tiny", chat_template=str(d / "chat.jinja"), steps_per_chunk=1)
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while not uv.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.05)
+    port = uv.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    yield url, llm, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    uv.should_exit = True
+    thread.join(timeout=60)
+
+
+def metrics(url) -> dict[str, float]:
+    """/metrics parsed: every sample line is `name{labels} value`."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("#"):
+            assert re.fullmatch(r"# (HELP|TYPE) spec_jax_\w+ .+", line), line
+            continue
+        name, value = re.fullmatch(r"(spec_jax_\w+(?:\{\w+=\"\w+\"\})?) (\S+)", line).groups()
+        out[name] = float(value)
+    return out
+
+
+def greedy_reference(llm, prompts, max_tokens):
+    """LLM.generate on the same prompts (4 at a time: the server's batch shape)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_completions_and_chat_equal_generate(served):
+    url, llm, client = served
+    messages = [[{"role": "user", "content": "Write a loop"}],
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]]
+    chats = [ChatTemplate(CHATML).render(m) for m in messages]
+    texts = ["def fibonacci(n):", "import os\nfor"]
+    ref = greedy_reference(llm, texts + chats, 12)
+    ids = lambda c: c.model_extra["token_ids"]
+
+    r = client.completions.create(model="tiny", prompt=texts[0], max_tokens=12, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert (r.choices[0].text, ids(r.choices[0])) == (ref[0].text, ref[0].token_ids)
+    assert r.usage.prompt_tokens == len(llm.tokenizer.encode(texts[0])) and r.usage.completion_tokens == 12
+
+    chunks = list(client.completions.create(model="tiny", prompt=texts[1], max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == ref[1].text
+    assert sum((ids(c.choices[0]) for c in chunks[:-1]), []) == ref[1].token_ids
+    assert chunks[-2].choices[0].finish_reason == ref[1].finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref[1].token_ids)
+
+    r = client.chat.completions.create(model="tiny", messages=messages[0], max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == ref[2].text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(llm.tokenizer.encode(chats[0]))
+
+    stream = client.chat.completions.create(model="tiny", messages=messages[1], max_tokens=12, temperature=0,
+                                            stream=True)
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == ref[3].text
+
+
+def test_sixteen_concurrent_streaming_clients(served):
+    """More clients than slots: they queue, reuse freed slots, and each gets exactly its own
+    greedy or seeded-sampled output."""
+    url, llm, client = served
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, TINY.vocab_size, rng.integers(2, 50)).tolist() for _ in range(16)]
+    settings = [dict(max_tokens=int(rng.integers(4, 40)), temperature=float(rng.choice([0.0, 0.8])),
+                     top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.choice([0, 20])), seed=int(rng.integers(1 << 20)))
+                for _ in prompts]
+    ref = llm.generate(prompt_token_ids=prompts, sampling_params=[SamplingParams(**s) for s in settings],
+                       use_tqdm=False)
+    before = metrics(url)
+    got = [None] * 16
+
+    def run_client(i):
+        s = dict(settings[i])
+        extra = {"top_k": s.pop("top_k"), "return_token_ids": True}
+        stream = client.completions.create(model="tiny", prompt=prompts[i], stream=True, extra_body=extra, **s)
+        chunks = [c.choices[0] for c in stream]
+        got[i] = sum((c.model_extra["token_ids"] for c in chunks), []), chunks[-1].finish_reason
+
+    threads = [threading.Thread(target=run_client, args=(i,)) for i in range(16)]
+    [t.start() for t in threads]
+    [t.join(timeout=300) for t in threads]
+    assert got == [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in ref]
+    after = metrics(url)
+    finished = sum(after[f'spec_jax_requests_total{{finish_reason="{r}"}}'] for r in ("stop", "length"))
+    assert finished - sum(before[f'spec_jax_requests_total{{finish_reason="{r}"}}'] for r in ("stop", "length")) == 16
+    generated = after["spec_jax_generation_tokens_total"] - before["spec_jax_generation_tokens_total"]
+    assert generated == sum(len(o.outputs[0].token_ids) for o in ref)
+    assert after["spec_jax_num_requests_running"] == after["spec_jax_num_requests_waiting"] == 0
+
+
+def test_a_dropped_client_frees_its_slot(served):
+    url, llm, client = served
+    aborted = 'spec_jax_requests_total{finish_reason="abort"}'
+    before = metrics(url)
+    max_tokens = llm.max_model_len - 2
+    stream = client.completions.create(model="tiny", prompt=[5], max_tokens=max_tokens, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    deadline = time.time() + 60
+    while metrics(url)[aborted] == before[aborted]:
+        assert time.time() < deadline, "the server never cancelled the dropped request"
+        time.sleep(0.02)
+    after = metrics(url)
+    assert after["spec_jax_num_requests_running"] == 0
+    assert after["spec_jax_generation_tokens_total"] - before["spec_jax_generation_tokens_total"] < max_tokens
+    r = client.completions.create(model="tiny", prompt=[5], max_tokens=3, temperature=0)  # the slot serves again
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+
+
+BAD = [
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature", None),
+    ({"prompt": "x", "n": 2}, 400, "n", None),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p", None),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    ({"prompt": [1] * 300}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": [1] * 100, "max_tokens": 200}, 400, "max_tokens", "context_length_exceeded"),
+    ({"prompt": [TINY.vocab_size]}, 400, "prompt", None),
+    ({"prompt": ""}, 400, "prompt", None),
+    ({"prompt": "x", "logprobs": 2}, 400, "logprobs", None),
+    ({"prompt": "x", "stop_token_ids": list(range(17))}, 400, "stop_token_ids", None),
+    ({"max_tokens": 3}, 400, "prompt", None),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
+]
+
+
+@pytest.mark.parametrize("body,status,param,code", BAD, ids=lambda x: None)
+def test_bad_completion_requests_get_error_bodies(served, body, status, param, code):
+    url = served[0]
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    error = r.json()["error"]
+    assert r.status_code == status and set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["param"] == param and error["code"] == code
+
+
+def test_malformed_bodies_and_unknown_routes(served):
+    url, _, client = served
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": ', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert httpx.get(f"{url}/v1/nothing").status_code == 404
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=-1)
+
+
+def test_models_health_metrics(served):
+    url, llm, client = served
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    m = metrics(url)
+    for name in ("prompt_tokens_total", "generation_tokens_total", "spec_decode_acceptance_rate",
+                 "spec_decode_mean_acceptance_length", "num_requests_running", "num_requests_waiting"):
+        assert f"spec_jax_{name}" in m
+
+
+def test_chat_without_a_template_is_refused(tiny_llm, tiny_dir):
+    assert read_chat_template(tiny_dir) is None
+    with TestClient(build_app(Server(tiny_llm))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+    """HF's conventions: a list of named templates, tojson, raise_exception, bos/eos strings."""
+    template = ("{{ bos_token }}{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+                "{{ raise_exception('bad role ' + m.role) }}{% endif %}{{ m.role }}:{{ m.content | tojson }}"
+                "{% endfor %}{% if add_generation_prompt %}{{ eos_token }}{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>"}, "eos_token": "</s>",
+         "chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]}))
+    chat = ChatTemplate(read_chat_template(tmp_path), "<s>", "</s>")
+    assert chat.render([{"role": "user", "content": "é"}]) == '<s>user:"é"</s>'
+    with pytest.raises(APIError, match="bad role tool"):
+        chat.render([{"role": "tool", "content": "x"}])
+
+
+ECHO_SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def test_scheduler_speculates_per_slot(echo_dir):
+    """Eight requests through four slots with MTP drafting: tokens and each request's draft and
+    acceptance counts equal LLM.generate's; the totals add up."""
+    llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=ECHO_SPEC)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 60, rng.integers(3, 40)).tolist() for _ in range(8)]
+    params = [SamplingParams(max_tokens=int(rng.integers(5, 40)), temperature=0.0, ignore_eos=True,
+                             speculative=bool(i % 3)) for i in range(8)]
+    ref = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    scheduler = Scheduler(llm, steps_per_chunk=2).start()
+    results = [None] * 8
+
+    def run(i):
+        updates = list(scheduler.stream(prompts[i], params[i]))
+        results[i] = sum((u.token_ids for u in updates), []), updates[-1].metrics
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join(timeout=300) for t in threads]
+    stats = scheduler.stats()
+    scheduler.shutdown()
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_per_position")
+    for (tokens, m), out in zip(results, ref):
+        assert tokens == out.outputs[0].token_ids
+        assert {k: m[k] for k in keys} == {k: out.metrics[k] for k in keys}
+    assert stats["num_accepted_tokens"] == sum(o.metrics["num_accepted_tokens"] for o in ref) > 0
+    assert stats["requests_length"] == 8 and stats["running"] == stats["waiting"] == 0
