@@ -11,7 +11,7 @@ drafter that costs nothing is mean acceptance length x (plain step ms / spec ste
 The oracle method proposes the target's own greedy continuation corrupted at a chosen rate
 (benchmarks only), so speed is measured at a controlled acceptance without trained weights.
 A drafter method with `"model": "random"` gets a random drafter fitted to the target
-(`random_drafter`), which measures the drafting cost at (near) zero acceptance.
+(`spec_jax.random_checkpoint.write_random_drafter`), which measures the drafting cost at (near) zero acceptance.
 """
 
 from __future__ import annotations
@@ -26,32 +26,7 @@ import numpy as np
 
 from bench.plain_decode import GEOMETRIES, geometry_config
 from spec_jax import LLM, SamplingParams
-from spec_jax.random_checkpoint import write_checkpoint
-
-
-def random_drafter(method: str, target, out_dir: str) -> str:
-    """A random drafter of `method` that fits the target config: DFlash/DSpark with 5 layers of
-    the target's width (z-lab's size), EAGLE-3 with one midlayer, draft_model a 4-layer Qwen3.5."""
-    import dataclasses
-
-    from models.dflash import DFlashConfig
-    from models.eagle3 import Eagle3Config
-    from spec_jax.random_checkpoint import write_dflash_checkpoint, write_eagle3_checkpoint
-
-    H, L, V = target.hidden_size, target.num_hidden_layers, target.vocab_size
-    heads = dict(num_attention_heads=max(H // 128, 1), num_key_value_heads=max(H // 512, 1), head_dim=128)
-    if method in ("dflash", "dspark"):
-        taps = tuple(sorted({1, L // 4, L // 2, 3 * L // 4, L - 2}))
-        cfg = DFlashConfig(hidden_size=H, intermediate_size=3 * H, num_hidden_layers=5, target_layer_ids=taps,
-                           mask_token_id=V - 1, block_size=16 if method == "dflash" else 7, vocab_size=V,
-                           markov_rank=256 if method == "dspark" else 0, sample_from_anchor=method == "dspark", **heads)
-        return str(write_dflash_checkpoint(out_dir, cfg, layout="dflash" if method == "dflash" else "dspark"))
-    if method == "eagle3":
-        cfg = Eagle3Config(hidden_size=H, intermediate_size=3 * H, vocab_size=V, draft_vocab_size=min(32000, V),
-                           target_hidden_size=H, **heads).with_target(L, H)
-        return str(write_eagle3_checkpoint(out_dir, cfg))
-    draft = dataclasses.replace(target, num_hidden_layers=4, layer_types=(), mtp_num_hidden_layers=0)
-    return str(write_checkpoint(out_dir, draft, dtype="bfloat16"))
+from spec_jax.random_checkpoint import write_checkpoint, write_random_drafter
 
 
 def measure(llm: LLM, prompts, params) -> dict:
@@ -102,7 +77,7 @@ def main() -> None:
             for spec in args.spec:
                 parsed = json.loads(spec)
                 if parsed.get("model") == "random":
-                    parsed["model"] = random_drafter(parsed["method"], base.cfg, f"{tmp}/{parsed['method']}")
+                    parsed["model"] = str(write_random_drafter(parsed["method"], base.cfg, f"{tmp}/{parsed['method']}"))
                     spec = json.dumps(parsed)
                 for rollback in args.rollback:
                     t = time.perf_counter()

@@ -7,6 +7,8 @@ missing `1 + w` cannot hide — at scales that keep activations O(1).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -199,25 +201,57 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
     return out_dir
 
 
+def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path, *, layers: int = 5,
+                         layout: str | None = None, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """A random drafter of `method` that fits `target`, in its published layout.
+
+    dflash / dspark: `layers` layers of the target's width (z-lab's drafters have 5), block 16 / 7,
+    five taps spread over the target; dspark's layout is "dspark" (native) or "speculators".
+    eagle3: one midlayer, three default taps, a draft vocabulary of up to 32000 tokens.
+    draft_model: a `layers`-layer Qwen3.5 of the target's geometry, without an MTP head.
+    """
+    from models.dflash import DFlashConfig
+    from models.eagle3 import Eagle3Config
+
+    H, L, V = target.hidden_size, target.num_hidden_layers, target.vocab_size
+    heads = dict(num_attention_heads=max(H // 128, 1), num_key_value_heads=max(H // 512, 1), head_dim=min(H, 128))
+    if method in ("dflash", "dspark"):
+        taps = tuple(sorted({1, L // 4, L // 2, 3 * L // 4, L - 2}))
+        cfg = DFlashConfig(hidden_size=H, intermediate_size=3 * H, num_hidden_layers=layers, target_layer_ids=taps,
+                           mask_token_id=V - 1, block_size=16 if method == "dflash" else 7, vocab_size=V,
+                           markov_rank=min(256, H) if method == "dspark" else 0,
+                           sample_from_anchor=method == "dspark", **heads)
+        return write_dflash_checkpoint(out_dir, cfg, seed=seed, layout=layout or method)
+    if method == "eagle3":
+        cfg = Eagle3Config(hidden_size=H, intermediate_size=3 * H, vocab_size=V, draft_vocab_size=min(32000, V),
+                           target_hidden_size=H, **heads).with_target(L, H)
+        return write_eagle3_checkpoint(out_dir, cfg, seed=seed)
+    if method == "draft_model":
+        draft = dataclasses.replace(target, num_hidden_layers=layers, layer_types=(), mtp_num_hidden_layers=0)
+        return write_checkpoint(out_dir, draft, seed=seed, dtype=dtype)
+    raise ValueError(f"no random drafter for method {method!r}; accepted: dflash, dspark, eagle3, draft_model")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Write small random checkpoints in the published layouts, for tests and benchmarks:
 
         python -m spec_jax.random_checkpoint target DIR [--moe] [--text-only] [--seed N]
-        python -m spec_jax.random_checkpoint dflash DIR --target TARGET_DIR [--block-size 4]
+        python -m spec_jax.random_checkpoint dflash|dspark|eagle3|draft_model DIR --target TARGET_DIR
+            [--layers 2] [--layout dspark|speculators]
     """
     import argparse
 
-    from models.dflash import DFlashConfig
     from spec_jax.checkpoint import load_config
 
     ap = argparse.ArgumentParser(prog="python -m spec_jax.random_checkpoint", description=main.__doc__.split("\n")[0])
-    ap.add_argument("kind", choices=["target", "dflash"])
+    ap.add_argument("kind", choices=["target", "dflash", "dspark", "eagle3", "draft_model"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe", action="store_true", help="target: a sparse-MoE model")
     ap.add_argument("--text-only", action="store_true", help="target: model.* names instead of VL-wrapped")
-    ap.add_argument("--target", help="dflash: the target checkpoint the drafter must fit")
-    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--target", help="drafters: the target checkpoint the drafter must fit")
+    ap.add_argument("--layers", type=int, default=2, help="drafters: decoder layers")
+    ap.add_argument("--layout", choices=["dspark", "speculators"], default=None, help="dspark: the published layout")
     args = ap.parse_args(argv)
     if args.kind == "target":
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
@@ -228,15 +262,9 @@ def main(argv: list[str] | None = None) -> None:
         write_checkpoint(args.out, cfg, seed=args.seed, vl_wrapped=not args.text_only)
     else:
         if not args.target:
-            ap.error("dflash needs --target TARGET_DIR (the drafter's geometry follows the target's)")
-        t = load_config(args.target)
-        L = t.num_hidden_layers
-        taps = tuple(sorted({1, L // 2, L - 2}))
-        cfg = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=2 * t.hidden_size, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=t.hidden_size // 4,
-                           target_layer_ids=taps, mask_token_id=t.vocab_size - 2, block_size=args.block_size,
-                           vocab_size=t.vocab_size)
-        write_dflash_checkpoint(args.out, cfg, seed=args.seed)
+            ap.error(f"{args.kind} needs --target TARGET_DIR (the drafter's geometry follows the target's)")
+        write_random_drafter(args.kind, load_config(args.target), args.out, layers=args.layers, layout=args.layout,
+                             seed=args.seed, dtype="float32")
     print(f"wrote a random {args.kind} checkpoint to {args.out}")
 
 
