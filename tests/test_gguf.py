@@ -104,6 +104,7 @@ def test_quantized_gguf_within_tolerance_of_f32(kind, wide, tmp_path):
     path = write_gguf(d, tmp_path / f"m-{kind}.gguf", kind)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_qkv.weight"] == kind.upper() and types["blk.0.attn_norm.weight"] == "F32"
+    assert types["blk.0.ssm_out.weight"] == ("Q8_0" if kind.endswith("_k") else kind.upper())  # rows of 384
     model, _ = load_model(path, "float32")
     worst = max(relative_error(v, want[k]) for k, v in params_of(model).items())
     assert worst < TOLERANCES[kind][0]
