@@ -202,10 +202,12 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
 
 
 def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path, *, layers: int = 5,
-                         layout: str | None = None, seed: int = 0, dtype: str = "bfloat16") -> Path:
+                         block_size: int | None = None, layout: str | None = None, seed: int = 0,
+                         dtype: str = "bfloat16") -> Path:
     """A random drafter of `method` that fits `target`, in its published layout.
 
-    dflash / dspark: `layers` layers of the target's width (z-lab's drafters have 5), block 16 / 7,
+    dflash / dspark: `layers` layers of the target's width (z-lab's drafters have 5), block_size
+    (default 16 / 7),
     five taps spread over the target; dspark's layout is "dspark" (native) or "speculators".
     eagle3: one midlayer, three default taps, a draft vocabulary of up to 32000 tokens.
     draft_model: a `layers`-layer Qwen3.5 of the target's geometry, without an MTP head.
@@ -218,7 +220,7 @@ def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path
     if method in ("dflash", "dspark"):
         taps = tuple(sorted({1, L // 4, L // 2, 3 * L // 4, L - 2}))
         cfg = DFlashConfig(hidden_size=H, intermediate_size=3 * H, num_hidden_layers=layers, target_layer_ids=taps,
-                           mask_token_id=V - 1, block_size=16 if method == "dflash" else 7, vocab_size=V,
+                           mask_token_id=V - 1, block_size=block_size or (16 if method == "dflash" else 7), vocab_size=V,
                            markov_rank=min(256, H) if method == "dspark" else 0,
                            sample_from_anchor=method == "dspark", **heads)
         return write_dflash_checkpoint(out_dir, cfg, seed=seed, layout=layout or method)
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
 
         python -m spec_jax.random_checkpoint target DIR [--moe] [--text-only] [--seed N]
         python -m spec_jax.random_checkpoint dflash|dspark|eagle3|draft_model DIR --target TARGET_DIR
-            [--layers 2] [--layout dspark|speculators]
+            [--layers 2] [--block-size N] [--layout dspark|speculators]
     """
     import argparse
 
@@ -251,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--text-only", action="store_true", help="target: model.* names instead of VL-wrapped")
     ap.add_argument("--target", help="drafters: the target checkpoint the drafter must fit")
     ap.add_argument("--layers", type=int, default=2, help="drafters: decoder layers")
+    ap.add_argument("--block-size", type=int, default=None, help="dflash/dspark: the block (default 16 / 7)")
     ap.add_argument("--layout", choices=["dspark", "speculators"], default=None, help="dspark: the published layout")
     args = ap.parse_args(argv)
     if args.kind == "target":
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if not args.target:
             ap.error(f"{args.kind} needs --target TARGET_DIR (the drafter's geometry follows the target's)")
-        write_random_drafter(args.kind, load_config(args.target), args.out, layers=args.layers, layout=args.layout,
+        write_random_drafter(args.kind, load_config(args.target), args.out, layers=args.layers, block_size=args.block_size, layout=args.layout,
                              seed=args.seed, dtype="float32")
     print(f"wrote a random {args.kind} checkpoint to {args.out}")
 

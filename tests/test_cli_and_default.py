@@ -53,7 +53,7 @@ def test_random_checkpoint_script_writes_loadable_target_and_drafter(tmp_path):
     from spec_jax.random_checkpoint import main as write
 
     write(["target", str(tmp_path / "t"), "--text-only"])
-    write(["dflash", str(tmp_path / "d"), "--target", str(tmp_path / "t")])
+    write(["dflash", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--block-size", "4"])
     llm = LLM(model=str(tmp_path / "t"), dtype="float32", max_model_len=64, max_num_seqs=1,
               speculative_config={"method": "dflash", "model": str(tmp_path / "d"), "num_speculative_tokens": 3})
     out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=5, temperature=0))
