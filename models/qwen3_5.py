@@ -16,6 +16,7 @@ Shapes: B batch rows, T new tokens, L cache length, H hidden, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ from flax import nnx
 
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
+from pallas_kernels.quant_matmul import QuantizedWeight, quant_matmul, quantize
 
 LINEAR, FULL = "linear_attention", "full_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -251,15 +253,60 @@ def zeros_param(shape, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
 
 
+# A quantized Linear's scale and global-scale variables, named as the checkpoints carrying each
+# format name their tensors (Qwen's FP8: weight_scale_inv; ModelOpt NVFP4: weight_scale, weight_scale_2).
+SCALE_NAMES = {"int8": ("weight_scale", None), "fp8": ("weight_scale", None),
+               "fp8_block": ("weight_scale_inv", None), "nvfp4": ("weight_scale", "weight_scale_2")}
+
+
 class Linear(nnx.Module):
-    """y = x W^T with W stored [out, in] as in the checkpoint (no bias anywhere in these models)."""
+    """y = x W^T with W stored [out, in] as in the checkpoint (no bias anywhere in these models).
+
+    After `quantize_linear`, `weight` holds a `QuantizedWeight`'s codes, its scales sit beside it
+    under `SCALE_NAMES[format]`, and the product runs through the quantized-matmul dispatcher
+    (the Pallas kernel on a GPU).
+    """
 
     def __init__(self, d_in: int, d_out: int, *, stack=(), dtype=jnp.float32):
         self.weight = zeros_param((*stack, d_out, d_in), dtype)
+        self.format = None  # static: None (float weight) or a quant_matmul format
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.format is not None:
+            return quant_matmul(x, self.quantized())
         w = self.weight[...]
         return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+
+    def quantized(self) -> QuantizedWeight:
+        scale, global_scale = SCALE_NAMES[self.format]
+        g = getattr(self, global_scale)[...] if global_scale else None
+        return QuantizedWeight(self.weight[...], getattr(self, scale)[...], g, self.format)
+
+
+def quantize_linear(linear: Linear, fmt: str) -> None:
+    """Quantize a float Linear in place: its weight [*stack, N, K] becomes `fmt` codes and scales,
+    per stacked layer. Under `nnx.eval_shape` this only sets the shapes a loader fills."""
+    q = functools.partial(quantize, fmt=fmt)
+    for _ in range(linear.weight[...].ndim - 2):
+        q = jax.vmap(q)
+    qw = jax.jit(q)(linear.weight[...])  # one compiled program per shape, not one per op
+    scale, global_scale = SCALE_NAMES[fmt]
+    linear.weight = nnx.Param(qw.data)
+    setattr(linear, scale, nnx.Param(qw.scale))
+    if global_scale:
+        setattr(linear, global_scale, nnx.Param(qw.global_scale))
+    linear.format = fmt
+
+
+def quantize_linears(model: nnx.Module, formats: dict[tuple, str]) -> nnx.Module:
+    """Quantize the Linears at the given module paths (`nnx.iter_modules` keys) to their formats.
+    Returns `model`; raises ValueError for a path that is not a float Linear."""
+    linears = {path: m for path, m in nnx.iter_modules(model) if isinstance(m, Linear) and m.format is None}
+    for path, fmt in formats.items():
+        if path not in linears:
+            raise ValueError(f"{'.'.join(map(str, path))} is not a float Linear of this model")
+        quantize_linear(linears[path], fmt)
+    return model
 
 
 class RMSNorm(nnx.Module):

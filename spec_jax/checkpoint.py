@@ -280,12 +280,19 @@ def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, prog
 
     dtype: compute dtype of the weights (norm weights, A_log and dt_bias stay float32).
     Returns (model, cfg); cfg loses its MTP head when the checkpoint has no `mtp.*` tensors.
+    FP8 and NVFP4 checkpoints keep their quantized projections quantized (`checkpoint_quant`).
     """
-    src = TensorSource(model_dir)
+    from spec_jax.checkpoint_quant import QuantizedSource, read_quant_scheme
+
+    scheme = read_quant_scheme(model_dir)
+    src = TensorSource(model_dir) if scheme is None else QuantizedSource(model_dir, scheme)
     if cfg.mtp_num_hidden_layers and "mtp.fc.weight" not in src:
         # A checkpoint exported without its MTP head still runs; speculation with mtp refuses it.
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
-    model = fill_params(lambda: Qwen3_5Model(cfg, dtype=dtype), src,
+    make_model = lambda: Qwen3_5Model(cfg, dtype=dtype)  # noqa: E731
+    if scheme is not None:
+        make_model = src.keep_quantized(make_model, cfg)
+    model = fill_params(make_model, src,
                         lambda path: (param_sources(path, cfg), is_stacked(path)),
                         lambda name: read_tensor(src, name, cfg), progress=progress)
     return model, cfg

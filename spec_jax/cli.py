@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--model", required=True, help="the HF safetensors checkpoint directory")
     conv.add_argument("--output", required=True, help="an empty or new directory")
     conv.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    conv.add_argument("--quantization", choices=("int8", "fp8", "fp8_block", "nvfp4"), default=None,
+                      help="quantize the projection weights (weight-only; embeddings, lm_head, norms, routers stay)")
     return parser
 
 
@@ -142,7 +144,7 @@ def convert(args) -> None:
     from spec_jax.convert import convert as write
 
     t0 = time.perf_counter()
-    out = write(args.model, args.output, args.dtype)
+    out = write(args.model, args.output, args.dtype, args.quantization)
     print(f"converted {args.model} to {out} in {time.perf_counter() - t0:.1f}s; load it with --model {out}")
 
 

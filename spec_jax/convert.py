@@ -1,11 +1,13 @@
 """`spec-jax convert`: write a checkpoint's converted parameters with orbax-checkpoint, so that
 loading it again restores the arrays (already mapped, stacked and cast) instead of converting.
 
-    spec-jax convert --model SRC --output DIR [--dtype bfloat16]
+    spec-jax convert --model SRC --output DIR [--dtype bfloat16] [--quantization int8|fp8|fp8_block|nvfp4]
     LLM(model=DIR)
 
 DIR holds `params/` (Orbax), the source's config.json, generation_config.json and
-tokenizer.json, and `spec_jax.json` saying how it was made.
+tokenizer.json, and `spec_jax.json` saying how it was made, including which Linears are
+quantized: those a quantized source (FP8, NVFP4) kept quantized, and with --quantization every
+float projection (`checkpoint_quant.QUANTIZED_PROJECTIONS`), quantized with quant_matmul.quantize.
 """
 
 from __future__ import annotations
@@ -20,23 +22,30 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from pallas_kernels.quant_matmul import FORMATS
 from spec_jax.checkpoint import CheckpointError, load_config, load_model, read_json, resolve_dtype
+from spec_jax.checkpoint_quant import quantize_projections, quantized_linears
 
 MARKER = "spec_jax.json"
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
-DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16"}
 
 
 def is_converted(model_dir: str | os.PathLike) -> bool:
     return (Path(model_dir) / MARKER).exists()
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16") -> Path:
-    """Load `src` (HF safetensors) in `dtype` and save it under `out` for fast restores."""
+def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16",
+            quantization: str | None = None) -> Path:
+    """Load `src` (HF safetensors) in `dtype`, quantize its float projections to `quantization`
+    (a quant_matmul format) if given, and save it under `out` for fast restores."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"output directory {str(out)!r} is not empty")
+    if quantization is not None and quantization not in FORMATS:
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(FORMATS)}")
     model, cfg = load_model(src, dtype)
+    if quantization is not None:
+        quantize_projections(model, quantization)
     out.mkdir(parents=True, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save((out / "params").absolute(), nnx.to_pure_dict(nnx.state(model)))
@@ -44,7 +53,9 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat
     for name in COPIED:
         if (Path(src) / name).exists():
             shutil.copy(Path(src) / name, out / name)
-    marker = {"format": "orbax", "dtype": dtype, "source": str(src), "mtp": cfg.mtp_num_hidden_layers > 0}
+    quantized = {".".join(map(str, path)): fmt for path, fmt in quantized_linears(model).items()}
+    marker = {"format": "orbax", "dtype": dtype, "source": str(src), "mtp": cfg.mtp_num_hidden_layers > 0,
+              "quantized": quantized}
     (out / MARKER).write_text(json.dumps(marker, indent=2))
     return out
 
@@ -52,7 +63,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat
 def restore(model_dir: str | os.PathLike, dtype: str | None = None):
     """A converted directory -> (Qwen3_5Model, Qwen3_5Config), restored in the dtype it was saved
     in and cast if another is asked for."""
-    from models.qwen3_5 import Qwen3_5Model
+    from models.qwen3_5 import Qwen3_5Model, quantize_linears
 
     model_dir = Path(model_dir)
     marker = read_json(model_dir / MARKER)
@@ -61,16 +72,22 @@ def restore(model_dir: str | os.PathLike, dtype: str | None = None):
     cfg = load_config(model_dir)
     if not marker.get("mtp", True):
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+    formats = {tuple(int(k) if k.isdigit() else k for k in path.split(".")): fmt
+               for path, fmt in marker.get("quantized", {}).items()}
+
+    def abstract(dtype):
+        return nnx.split(nnx.eval_shape(lambda: quantize_linears(Qwen3_5Model(cfg, dtype=dtype), formats)))
+
     saved = resolve_dtype(marker.get("dtype", "float32"))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3_5Model(cfg, dtype=saved)))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+    graphdef, state = abstract(saved)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     try:
-        params = ocp.StandardCheckpointer().restore((model_dir / "params").absolute(), abstract)
+        params = ocp.StandardCheckpointer().restore((model_dir / "params").absolute(), shapes)
     except (FileNotFoundError, ValueError) as e:
         raise CheckpointError(f"cannot restore {model_dir / 'params'}: {e}") from None
     wanted = resolve_dtype(dtype) if dtype else saved
-    if wanted != saved:
-        params = jax.tree.map(lambda x: x.astype(wanted) if x.dtype == saved else x, params)
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3_5Model(cfg, dtype=wanted)))
+    if wanted != saved:  # cast to the leaves' dtypes in the wanted model (norms, codes and scales keep theirs)
+        graphdef, state = abstract(wanted)
+        params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, nnx.to_pure_dict(state))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state), cfg
