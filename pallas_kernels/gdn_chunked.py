@@ -6,13 +6,12 @@ and updates the state with matrix products. Chunks are then scanned in order. Th
 equals `gdn_recurrent` token for token (up to float32 rounding).
 
 `gdn_chunked` is the dispatcher the model calls. `gdn_chunked_pallas` is the Pallas (Triton)
-kernel: one program per (row, value head, block of BV value columns) walks the chunks in order
-with its [dk, BV] state tile in float32 registers; within a chunk it forms the strictly lower
-matrix A, solves (I + A) [U | W] = [beta v | beta exp(G) k] by forward substitution row by row
-(Triton has no scratch memory), and applies the chunk's reads and state update as dots.
-It compiles and matches on the H200 but, with the tensor cores idle during the row-by-row
-solve, runs 46x slower than XLA's reference at 4k tokens (BENCHMARKS.md), so the dispatcher
-runs the reference on every backend until a chunk-parallel design beats it.
+version in two launches, split as flash-linear-attention splits it: a chunk-parallel kernel
+inverts each chunk's (I + A) by forward substitution (the only work that is not a matmul; rows
+are picked with masks since Triton has no scratch memory) and forms U and W; then one program
+per (row, value head, block of BV value columns) walks the chunks in order with its [dk, BV]
+state in float32 registers, each chunk five dots. (A first version did the solve inside the
+sequential walk and ran 46x slower than XLA: BENCHMARKS.md.)
 """
 
 import functools
@@ -80,77 +79,116 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk: int = CHUNK):
     return o, final
 
 
-def _dot(a, b):
-    """float32 dot at full precision (Triton would otherwise use TF32)."""
-    return jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+def _dot(a, b, precision):
+    """float32-accumulated dot; `precision` is HIGHEST in interpret mode, TF32x3 on the GPU."""
+    return jax.lax.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _forward_substitute(A, rhs):
-    """Solve (I + A) X = rhs for strictly lower A [C, C], row by row: X_i = rhs_i - A_i X."""
-    C = A.shape[0]
-    rows = jax.lax.broadcasted_iota(jnp.int32, rhs.shape, 0)
-    a_rows = jax.lax.broadcasted_iota(jnp.int32, A.shape, 0)
-
-    def row(i, x):
-        a_i = jnp.sum(jnp.where(a_rows == i, A, 0.0), axis=0)  # A[i, :], zero at and above i
-        x_i = jnp.sum(jnp.where(rows == i, x, 0.0), axis=0) - jnp.sum(a_i[:, None] * x, axis=0)
-        return jnp.where(rows == i, x_i[None, :], x)
-
-    return jax.lax.fori_loop(1, C, row, rhs)
+def _normalise_rows(x):
+    """Rows of x [C, d] L2-normalised in float32 (the kernels fuse the q/k norm)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
 
 
-def _chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, s_ref, *, chunk: int, n_chunks: int):
-    """One (row, value head, value block): q/k [Tp, dk], v [Tp, BV], g/beta [Tp], state [dk, BV]."""
-    dk = q_ref.shape[-1]
+def _decay_matrix(g, chunk: int):
+    """Cumulative log-decay G [C] of a chunk's gates g [C], the causal decay exp(G_i - G_j) for
+    j <= i else 0 [C, C], and the row/column iotas."""
+    G = jnp.cumsum(g)
     i = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    return G, jnp.exp(jnp.where(j <= i, G[:, None] - G[None, :], -jnp.inf)), i, j
+
+
+def _invert_unit_lower(A):
+    """(I + A)^-1 for strictly lower A [C, C], by forward substitution over rows: X_i = e_i - A_i X.
+    Rows are selected with masks because Triton has no dynamic indexing of values."""
+    C = A.shape[0]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+
+    def row(i, x):
+        a_i = jnp.sum(jnp.where(rows == i, A, 0.0), axis=0)  # A[i, :], zero at and above i
+        x_i = jnp.where(cols[0] == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * x, axis=0)
+        return jnp.where(rows == i, x_i[None, :], x)
+
+    return jax.lax.fori_loop(1, C, row, (rows == cols).astype(jnp.float32))
+
+
+def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref, *, chunk: int, precision):
+    """One (row, value head, chunk), all chunks in parallel: U = (I + A)^-1 beta v [C, dv] and
+    W = (I + A)^-1 beta exp(G) k [C, dk], A the strictly lower beta k k^T decay."""
+    k = _normalise_rows(k_ref[...])
+    G, decay, i, j = _decay_matrix(g_ref[...], chunk)
+    beta = beta_ref[...]
+    A = jnp.where(j < i, beta[:, None] * _dot(k, k.T, precision) * decay, 0.0)
+    T = _invert_unit_lower(A)
+    u_ref[...] = _dot(T, beta[:, None] * v_ref[...].astype(jnp.float32), precision)
+    w_ref[...] = _dot(T, (beta * jnp.exp(G))[:, None] * k, precision)
+
+
+def _state_kernel(q_ref, k_ref, u_ref, w_ref, g_ref, s0_ref, o_ref, s_ref, *, chunk: int, n_chunks: int, precision):
+    """One (row, value head, block of BV value columns) walks the chunks in order with its
+    [dk, BV] state in registers: every chunk is five dots on the tensor cores."""
 
     def one_chunk(n, s):
         at = pl.ds(n * chunk, chunk)
-        q = q_ref[at, :].astype(jnp.float32)
-        k = k_ref[at, :].astype(jnp.float32)
-        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + L2_EPS) * dk**-0.5
-        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + L2_EPS)
-        v, g, beta = v_ref[at, :].astype(jnp.float32), g_ref[at], beta_ref[at]
-        G = jnp.cumsum(g)
-        decay = jnp.exp(jnp.where(j <= i, G[:, None] - G[None, :], -jnp.inf))
-        A = jnp.where(j < i, beta[:, None] * _dot(k, k.T) * decay, 0.0)
-        u = _forward_substitute(A, beta[:, None] * v)  # new values
-        w = _forward_substitute(A, (beta * jnp.exp(G))[:, None] * k)  # decayed keys reading the old state
-        v_new = u - _dot(w, s)
-        o = _dot(q * jnp.exp(G)[:, None], s) + _dot(_dot(q, k.T) * decay, v_new)
+        q = _normalise_rows(q_ref[at, :]) * q_ref.shape[-1] ** -0.5
+        k = _normalise_rows(k_ref[at, :])
+        G, decay, _, _ = _decay_matrix(g_ref[at], chunk)
+        v_new = u_ref[at, :] - _dot(w_ref[at, :], s, precision)  # the chunk's values after the old state's reads
+        o = _dot(q * jnp.exp(G)[:, None], s, precision) + _dot(_dot(q, k.T, precision) * decay, v_new, precision)
         o_ref[at, :] = o.astype(o_ref.dtype)
-        total = jnp.sum(g)  # G at the chunk's last token
-        return s * jnp.exp(total) + _dot((k * jnp.exp(total - G)[:, None]).T, v_new)
+        total = jnp.sum(g_ref[at])  # G at the chunk's last token
+        return s * jnp.exp(total) + _dot((k * jnp.exp(total - G)[:, None]).T, v_new, precision)
 
     s_ref[...] = jax.lax.fori_loop(0, n_chunks, one_chunk, s0_ref[...].astype(jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "interpret"))
 def gdn_chunked_pallas(q, k, v, g, beta, state, *, block_v: int = 32, interpret: bool = False):
-    """The Pallas kernel; same arguments and results as `gdn_chunked_reference`. dk and block_v
-    must be powers of two and block_v must divide dv."""
+    """The Pallas kernels; same arguments and results as `gdn_chunked_reference`. dk, dv and
+    block_v must be powers of two (>= 16 on the GPU) and block_v must divide dv.
+
+    Two launches, split the way flash-linear-attention splits it: a chunk-parallel kernel does
+    each chunk's triangular solve (the only non-matmul work), then a sequential kernel carries
+    the state across chunks with dots alone.
+    """
     B, T, nk, dk = q.shape
     nv, dv = v.shape[2], v.shape[3]
     r, Tp = nv // nk, -(-T // CHUNK) * CHUNK
+    n = Tp // CHUNK
+    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-    head_major = lambda x: jnp.moveaxis(pad(x), 2, 1)
+    head_major = lambda x: jnp.moveaxis(pad(x), 2, 1)  # [B, heads, Tp, ...]
     q, k, v = head_major(q), head_major(k), head_major(v)
     g, beta = head_major(g.astype(jnp.float32)), head_major(beta.astype(jnp.float32))
-    by_key_head = pl.BlockSpec((None, None, Tp, dk), lambda bh, iv: (bh // nv, (bh % nv) // r, 0, 0))
-    by_value = pl.BlockSpec((None, None, Tp, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
-    by_head = pl.BlockSpec((None, None, Tp), lambda bh, iv: (bh // nv, bh % nv, 0))
+    params = plt.CompilerParams(num_warps=4, num_stages=1)
+
+    chunk_of = lambda d, by_key: pl.BlockSpec(
+        (None, None, CHUNK, d), lambda bh, c: (bh // nv, (bh % nv) // r if by_key else bh % nv, c, 0))
+    gate_chunk = pl.BlockSpec((None, None, CHUNK), lambda bh, c: (bh // nv, bh % nv, c))
+    u, w = pl.pallas_call(
+        functools.partial(_wy_kernel, chunk=CHUNK, precision=precision),
+        out_shape=[jax.ShapeDtypeStruct((B, nv, Tp, dv), jnp.float32), jax.ShapeDtypeStruct((B, nv, Tp, dk), jnp.float32)],
+        grid=(B * nv, n),
+        in_specs=[chunk_of(dk, True), chunk_of(dv, False), gate_chunk, gate_chunk],
+        out_specs=[chunk_of(dv, False), chunk_of(dk, False)],
+        compiler_params=params, interpret=interpret, name="gdn_chunked_wy",
+    )(k, v, g, beta)
+
+    whole = lambda d, by_key, cols=None: pl.BlockSpec(
+        (None, None, Tp, cols or d),
+        lambda bh, iv: (bh // nv, (bh % nv) // r if by_key else bh % nv, 0, iv if cols else 0))
     by_state = pl.BlockSpec((None, None, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
+    by_head = pl.BlockSpec((None, None, Tp), lambda bh, iv: (bh // nv, bh % nv, 0))
     o, final = pl.pallas_call(
-        functools.partial(_chunked_kernel, chunk=CHUNK, n_chunks=Tp // CHUNK),
+        functools.partial(_state_kernel, chunk=CHUNK, n_chunks=n, precision=precision),
         out_shape=[jax.ShapeDtypeStruct((B, nv, Tp, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)],
         grid=(B * nv, dv // block_v),
-        in_specs=[by_key_head, by_key_head, by_value, by_head, by_head, by_state],
-        out_specs=[by_value, by_state],
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="gdn_chunked",
-    )(q, k, v, g, beta, state.astype(jnp.float32))
+        in_specs=[whole(dk, True), whole(dk, True), whole(dv, False, block_v), whole(dk, False), by_head, by_state],
+        out_specs=[whole(dv, False, block_v), by_state],
+        compiler_params=params, interpret=interpret, name="gdn_chunked_state",
+    )(q, k, u, w, g, state.astype(jnp.float32))
     return jnp.moveaxis(o, 1, 2)[:, :T], final
 
 

@@ -130,12 +130,14 @@ def _tile(w_ref, s_ref, g_ref, n0, k0, *, fmt: str, bn: int, bk: int) -> jax.Arr
     return lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
 
 
-def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bk: int, K: int):
+def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bk: int, k_steps: int):
+    """Program (i, j): output columns [i bn, (i + 1) bn) over the j-th of the split K ranges."""
     n0 = pl.program_id(0) * bn
+    k_first = pl.program_id(1) * k_steps * bk
     m = x_ref.shape[0]
 
     def body(i, acc):
-        k0 = i * bk
+        k0 = k_first + i * bk
         if fmt == "nvfp4":
             lo, hi = _tile(w_ref, s_ref, g_ref, n0, k0, fmt=fmt, bn=bn, bk=bk)
             x_even = x_ref[:, pl.ds(k0 // 2, bk // 2)]
@@ -145,25 +147,42 @@ def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, 
         tile = _tile(w_ref, s_ref, g_ref, n0, k0, fmt=fmt, bn=bn, bk=bk)
         return acc + jnp.dot(x_ref[:, pl.ds(k0, bk)], tile.T, preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, K // bk, body, jnp.zeros((m, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((m, bn), jnp.float32))
     if fmt in ("int8", "fp8"):
         acc = acc * s_ref[pl.ds(n0, bn)][None, :]
-    o_ref[:, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+    o_ref[...] = acc
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "interpret"))
-def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, block_n: int = 64, block_k: int = 128,
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How the kernel cuts the work: block_n output columns per program, block_k of K per loop
+    step, K split over split_k programs (partial sums added after), Triton's warps and stages."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def fits(self, w: "QuantizedWeight") -> bool:
+        N, K = w.shape
+        return N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Tiling(),
                         interpret: bool = False) -> jax.Array:
     """The Pallas kernel; same contract as `quant_matmul_reference` for x [M, K] (M <= 64).
 
-    N must be a multiple of block_n and K of block_k (fp8_block: block_n and block_k divide 128).
+    `tiling.fits(w)` must hold (fp8_block: block_n and block_k divide 128).
     """
     M, K = x.shape
     N = w.shape[0]
+    t = tiling
     Mp = max(16, next_pow2(M))
     xb = jnp.pad(x.astype(jnp.bfloat16), ((0, Mp - M), (0, 0)))
     if w.format == "nvfp4":
@@ -172,24 +191,23 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, block_n: int = 64, 
         x_main, x_odd = xb, xb[:, :1]
     g = jnp.reshape(w.global_scale if w.global_scale is not None else jnp.ones(()), (1,)).astype(jnp.float32)
     scale = w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)  # a pointer to the whole array
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # a pointer to the whole array
     args = (x_main, x_odd, w.data, scale, g)
-    out = pl.pallas_call(
-        functools.partial(_kernel, fmt=w.format, bn=block_n, bk=block_k, K=K),
-        out_shape=jax.ShapeDtypeStruct((Mp, N), jnp.bfloat16),
-        grid=(N // block_n,),
+    partial_sums = pl.pallas_call(
+        functools.partial(_kernel, fmt=w.format, bn=t.block_n, bk=t.block_k, k_steps=K // (t.block_k * t.split_k)),
+        out_shape=jax.ShapeDtypeStruct((t.split_k, Mp, N), jnp.float32),
+        grid=(N // t.block_n, t.split_k),
         in_specs=[whole(a) for a in args],
-        out_specs=pl.BlockSpec((Mp, N), lambda i: (0, 0)),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=3),
+        out_specs=pl.BlockSpec((None, Mp, t.block_n), lambda i, j: (j, 0, i)),
+        compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"quant_matmul_{w.format}",
     )(*args)
-    return out[:M].astype(x.dtype)
+    return jnp.sum(partial_sums[:, :M], axis=0).astype(x.dtype)
 
 
-def kernel_fits(x: jax.Array, w: QuantizedWeight, block_n: int = 64, block_k: int = 128) -> bool:
-    N, K = w.shape
-    return x.shape[0] <= 64 and N % block_n == 0 and K % block_k == 0
+def kernel_fits(x: jax.Array, w: QuantizedWeight, tiling: Tiling = Tiling()) -> bool:
+    return x.shape[0] <= 64 and tiling.fits(w)
 
 
 def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
