@@ -10,19 +10,17 @@ from spec_jax import LLM, SamplingParams
 from spec_jax.batch_eval import read_requests
 from spec_jax.cli import main
 
-SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+SPEC = {"method": "mtp", "num_speculative_tokens": 3}  # test_speculative compiles the same
 
 
 def lines(seed=0):
-    """Eight requests of varied length and budget; two are sampled with their own seeds."""
+    """Eight greedy requests of varied length and budget."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(8):
         line = {"id": f"r{i}", "prompt_token_ids": rng.integers(0, 60, rng.integers(2, 50)).tolist()}
         if i % 2:
             line["max_tokens"] = int(rng.integers(3, 40))
-        if i in (3, 6):
-            line.update(temperature=0.7, seed=int(rng.integers(1 << 20)), top_k=int(rng.integers(0, 10)))
         out.append(line)
     return out
 
@@ -37,9 +35,7 @@ def test_metrics_and_outputs_equal_a_direct_run(echo_dir, tmp_path):
     metrics = json.loads((tmp_path / "prompts.metrics.json").read_text())
 
     llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=SPEC)
-    keys = ("max_tokens", "temperature", "seed", "top_k")
-    params = [SamplingParams(**{"max_tokens": 24, "temperature": 0.0, **{k: x[k] for k in keys if k in x}})
-              for x in lines()]
+    params = [SamplingParams(max_tokens=x.get("max_tokens", 24), temperature=0.0) for x in lines()]
     ref = llm.generate(prompt_token_ids=[x["prompt_token_ids"] for x in lines()], sampling_params=params,
                        use_tqdm=False)
     per_request = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_per_position")
@@ -76,6 +72,16 @@ def test_a_bad_line_is_named(tiny_llm, tmp_path, bad, message):
     src.write_text('{"prompt_token_ids": [1, 2]}\n\n' + bad + "\n")
     with pytest.raises(ValueError, match=f"line 3: .*{message}"):
         read_requests(tiny_llm, src, max_tokens=8, temperature=0.0)
+
+
+def test_per_line_settings_override_the_defaults(tiny_llm, tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt_token_ids": [1]}\n{"prompt_token_ids": [2], "max_tokens": 3, "temperature": 0.5, '
+                   '"top_p": 0.9, "top_k": 7, "seed": 11, "ignore_eos": true, "id": 5}\n')
+    a, b = read_requests(tiny_llm, src, max_tokens=8, temperature=0.0)
+    assert (a.params.max_tokens, a.params.temperature, a.id) == (8, 0.0, None)
+    assert (b.params.max_tokens, b.params.temperature, b.params.top_p, b.params.top_k, b.params.seed,
+            b.params.ignore_eos, b.id, b.line) == (3, 0.5, 0.9, 7, 11, True, 5, 2)
 
 
 def test_an_empty_file_is_refused(tiny_llm, tmp_path):

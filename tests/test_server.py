@@ -61,10 +61,11 @@ def metrics(url) -> dict[str, float]:
     return out
 
 
-def greedy_reference(llm, prompts, max_tokens):
-    """LLM.generate on the same prompts (4 at a time: the server's batch shape)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+def reference(llm, prompts, params):
+    """LLM.generate on each prompt alone (text or token ids): batch-1 executables the other
+    tests compile too."""
+    return [llm.generate(prompts=p, sampling_params=s, use_tqdm=False)[0] if isinstance(p, str) else
+            llm.generate(prompt_token_ids=[p], sampling_params=s, use_tqdm=False)[0] for p, s in zip(prompts, params)]
 
 
 def test_completions_and_chat_equal_generate(served):
@@ -73,7 +74,7 @@ def test_completions_and_chat_equal_generate(served):
                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]]
     chats = [ChatTemplate(CHATML).render(m) for m in messages]
     texts = ["def fibonacci(n):", "import os\nfor"]
-    ref = greedy_reference(llm, texts + chats, 12)
+    ref = [o.outputs[0] for o in reference(llm, texts + chats, [SamplingParams(max_tokens=12, temperature=0.0)] * 4)]
     ids = lambda c: c.model_extra["token_ids"]
 
     r = client.completions.create(model="tiny", prompt=texts[0], max_tokens=12, temperature=0,
@@ -108,8 +109,7 @@ def test_sixteen_concurrent_streaming_clients(served):
     settings = [dict(max_tokens=int(rng.integers(4, 40)), temperature=float(rng.choice([0.0, 0.8])),
                      top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.choice([0, 20])), seed=int(rng.integers(1 << 20)))
                 for _ in prompts]
-    ref = llm.generate(prompt_token_ids=prompts, sampling_params=[SamplingParams(**s) for s in settings],
-                       use_tqdm=False)
+    ref = reference(llm, prompts, [SamplingParams(**s) for s in settings])
     before = metrics(url)
     got = [None] * 16
 
@@ -222,7 +222,7 @@ def test_chat_template_from_tokenizer_config(tmp_path):
         chat.render([{"role": "tool", "content": "x"}])
 
 
-ECHO_SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+ECHO_SPEC = {"method": "mtp", "num_speculative_tokens": 3}  # test_speculative compiles the same
 
 
 def test_scheduler_speculates_per_slot(echo_dir):
