@@ -4,8 +4,8 @@ Checkpoints come from our writer (spec_jax.quantize_checkpoint) over random mode
 layouts are checked against their specs with an independent numpy decoder (tensor names, dtypes,
 scale shapes, nibble order, scale semantics); the quantized model must equal, to float rounding,
 the float model loaded from that decoding; and its logits are compared with the unquantized
-model's. Measured relative logit errors (||l_q - l|| / ||l||) over these configs: FP8 0.02-0.05,
-NVFP4 0.08-0.16.
+model's. Relative logit error ||l_q - l|| / ||l|| measured here: FP8 0.024 (seed 0), NVFP4 0.080
+(seed 1); over seeds 0-3 FP8 0.024-0.062 and NVFP4 0.080-0.17.
 """
 
 import fnmatch
@@ -28,7 +28,7 @@ from spec_jax.engine import Engine
 from spec_jax.quantize_checkpoint import quantize_checkpoint
 from spec_jax.random_checkpoint import write_checkpoint
 
-LOGIT_TOLERANCE = {"fp8": 0.1, "nvfp4": 0.3}  # relative logit error vs the unquantized model, ~2x measured
+LOGIT_TOLERANCE = {"fp8": 0.1, "nvfp4": 0.3}  # relative logit error vs the unquantized model, ~2x the worst seen
 CODES = {"fp8": ml_dtypes.float8_e4m3fn, "nvfp4": np.uint8}
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 OUT_SCALE = 0.25  # see `write_source`
@@ -243,3 +243,12 @@ def test_a_missing_scale_is_named(source, tmp_path, fmt, scale):
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match=f"missing tensor '{canonical_name(name)}'"):
         load_model(d)
+
+
+def test_modelopt_legacy_hf_quant_config_alone_is_read(source, tmp_path):
+    d = quantize_checkpoint(source[0], tmp_path / "nvfp4", "nvfp4")
+    config = json.loads((d / "config.json").read_text())
+    del config["quantization_config"]  # older ModelOpt exports carry only hf_quant_config.json
+    (d / "config.json").write_text(json.dumps(config))
+    model, _ = load_model(d)
+    assert model.layers[0].linear_attn.in_proj_z.format == "nvfp4"
