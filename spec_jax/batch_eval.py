@@ -85,8 +85,14 @@ def run(llm: LLM, requests: list[EvalRequest], *, warmup: bool = True) -> tuple[
     spec = llm.speculative_config
     metrics = {**llm.metrics, "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "wall_s": wall,
                "model": str(llm.model_path), "max_num_seqs": llm.engine.max_num_seqs, "warmup": warmup,
-               "speculative_config": None if spec is None else dataclasses.asdict(spec)}
+               "speculative_config": None if spec is None else config_fields(spec)}
     return outputs, metrics
+
+
+def config_fields(spec) -> dict:
+    """The speculative config's fields that are set: away from their defaults, or required."""
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+            if f.default is dataclasses.MISSING or getattr(spec, f.name) != f.default}
 
 
 def output_line(req: EvalRequest, out: RequestOutput) -> dict:

@@ -252,9 +252,11 @@ class Server:
         self.created = int(time.time())
 
     def warm_up(self) -> None:
-        """Compile the common executables (the shortest prompt bucket, greedy) before serving."""
-        for _ in self.scheduler.stream([0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
-            pass
+        """Compile the common executables (the shortest prompt bucket, greedy and sampled: OpenAI's
+        default temperature is 1) before serving."""
+        for temperature in (0.0, 1.0):
+            for _ in self.scheduler.stream([0], SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True)):
+                pass
         self.scheduler.reset_counters()
 
     def check_model(self, name: str | None) -> None:
