@@ -82,6 +82,10 @@ def test_completions_and_chat_equal_generate(served):
     assert (r.choices[0].text, ids(r.choices[0])) == (ref[0].text, ref[0].token_ids)
     assert r.usage.prompt_tokens == len(llm.tokenizer.encode(texts[0])) and r.usage.completion_tokens == 12
 
+    stop = ref[0].text[6:9]  # a stop string cuts the text before its first occurrence
+    r = client.completions.create(model="tiny", prompt=texts[0], max_tokens=12, temperature=0, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (ref[0].text[:ref[0].text.find(stop)], "stop")
+
     chunks = list(client.completions.create(model="tiny", prompt=texts[1], max_tokens=12, temperature=0, stream=True,
                                             stream_options={"include_usage": True},
                                             extra_body={"return_token_ids": True}))
