@@ -181,8 +181,8 @@ class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                            extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                      ensure_ascii=ensure_ascii)
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals["raise_exception"] = self._raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
