@@ -18,9 +18,10 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 # Seconds per notebook, about 5x what each takes on 2 idle CPU cores with an empty compilation cache
-# (24, 26 and 17 s; the acceptance study gets more, as a trained default adds two drafters). The quickstart runs first: the others reuse its executables through the
-# persistent compilation cache, as they use its shapes (max_model_len 128, batches of two, which are
-# also test_default_trained's, whose executables they reuse when the trained default ships).
+# (24, 26 and 17 s; the acceptance study gets more, as a trained default adds two drafters). The
+# quickstart runs first: the others reuse its executables through the persistent compilation cache,
+# as they use its shapes (max_model_len 128, batches of two; also test_default_trained's, whose
+# executables they reuse when the trained default ships).
 BUDGET_S = {"quickstart": 120, "acceptance_study": 240, "kernels_walkthrough": 90}
 
 
