@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 
 .PHONY: demo test clean
 demo: $(STAMP)
-	$(VENV)/bin/spec-jax generate --prompt "def fibonacci(n):" --prompt "The quick brown fox" --max-tokens 48
+	$(VENV)/bin/spec-jax generate --prompt "def fibonacci(n):" --prompt "The module provides" --max-tokens 64 \
+		--temperature 0.7 --top-p 0.95 --speculative-config '{"method":"mtp","num_speculative_tokens":2}'
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
