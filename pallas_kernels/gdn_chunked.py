@@ -108,7 +108,7 @@ def _invert_unit_lower(A):
 
     def row(i, x):
         a_i = jnp.sum(jnp.where(rows == i, A, 0.0), axis=0)  # A[i, :], zero at and above i
-        x_i = jnp.where(cols[0] == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * x, axis=0)
+        x_i = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (C,), 0) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * x, axis=0)
         return jnp.where(rows == i, x_i[None, :], x)
 
     return jax.lax.fori_loop(1, C, row, (rows == cols).astype(jnp.float32))
