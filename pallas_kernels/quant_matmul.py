@@ -206,14 +206,31 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return jnp.sum(partial_sums[:, :M], axis=0).astype(x.dtype)
 
 
-def kernel_fits(x: jax.Array, w: QuantizedWeight, tiling: Tiling = Tiling()) -> bool:
-    return x.shape[0] <= 64 and tiling.fits(w)
+# The fastest tiling per format at M <= 8 on the H200 (27B MLP matrix, BENCHMARKS.md).
+MEASURED_TILINGS = {
+    "int8": Tiling(64, 256, 1, 4, 3),
+    "fp8": Tiling(64, 256, 1, 4, 3),
+    "fp8_block": Tiling(64, 128, 4, 4, 4),
+    "nvfp4": Tiling(32, 128, 4, 4, 3),
+}
+
+
+def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
+    """The measured tiling for w's format if it fits the shape, else the default one, else None
+    (more than 64 rows, or a shape no tiling divides)."""
+    if x.shape[0] > 64:
+        return None
+    for tiling in (MEASURED_TILINGS[w.format], Tiling()):
+        if tiling.fits(w):
+            return tiling
+    return None
 
 
 def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """Dispatcher: x [..., K] -> [..., N]. The Pallas kernel on a GPU for up to 64 rows, the
     dequantize-then-dot reference otherwise."""
     flat = x.reshape(-1, x.shape[-1])
-    if jax.default_backend() == "gpu" and kernel_fits(flat, w):
-        return quant_matmul_pallas(flat, w).reshape(*x.shape[:-1], w.shape[0])
+    tiling = pick_tiling(flat, w)
+    if jax.default_backend() == "gpu" and tiling is not None:
+        return quant_matmul_pallas(flat, w, tiling=tiling).reshape(*x.shape[:-1], w.shape[0])
     return quant_matmul_reference(x, w)

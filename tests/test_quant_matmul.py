@@ -14,6 +14,7 @@ from pallas_kernels.quant_matmul import (
     decode_e2m1,
     dequantize,
     Tiling,
+    pick_tiling,
     quant_matmul,
     quant_matmul_pallas,
     quant_matmul_reference,
@@ -76,6 +77,14 @@ def test_split_k_partial_sums_add_up(fmt):
     x = jnp.asarray(rng.normal(size=(1, K)), jnp.bfloat16)
     got = quant_matmul_pallas(x, w, tiling=Tiling(block_n=32, block_k=64, split_k=2), interpret=True)
     assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 4
+
+
+def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
+    x = jnp.zeros((1, K), jnp.bfloat16)
+    w = quantize(np.ones((N, K), np.float32), "fp8_block")
+    assert pick_tiling(x, w) == Tiling()  # K = 256 cannot be split 4 ways into 128-wide steps
+    assert pick_tiling(jnp.zeros((65, K), jnp.bfloat16), w) is None
+    assert pick_tiling(x, quantize(np.ones((48, K), np.float32), "int8")) is None  # 48 columns: no block divides
 
 
 def test_dispatcher_on_cpu_is_the_reference():
