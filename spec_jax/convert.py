@@ -36,7 +36,7 @@ def is_converted(model_dir: str | os.PathLike) -> bool:
 
 def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat16",
             quantization: str | None = None) -> Path:
-    """Load `src` (HF safetensors) in `dtype`, quantize its float projections to `quantization`
+    """Load `src` (HF safetensors, FP8/NVFP4 or GGUF) in `dtype`, quantize its float projections to `quantization`
     (a quant_matmul format) if given, and save it under `out` for fast restores."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -50,14 +50,34 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save((out / "params").absolute(), nnx.to_pure_dict(nnx.state(model)))
     checkpointer.wait_until_finished()
-    for name in COPIED:
-        if (Path(src) / name).exists():
-            shutil.copy(Path(src) / name, out / name)
+    copy_side_files(src, out, cfg)
     quantized = {".".join(map(str, path)): fmt for path, fmt in quantized_linears(model).items()}
     marker = {"format": "orbax", "dtype": dtype, "source": str(src), "mtp": cfg.mtp_num_hidden_layers > 0,
               "quantized": quantized}
     (out / MARKER).write_text(json.dumps(marker, indent=2))
     return out
+
+
+def copy_side_files(src: str | os.PathLike, out: Path, cfg) -> None:
+    """config.json, tokenizer files and generation config next to the params. A GGUF source has
+    none of them: its metadata was the config, written back as config.json (and checked to read
+    back as the same config), and its vocabulary becomes tokenizer.json."""
+    from spec_jax.checkpoint_gguf import find_gguf, gguf_tokenizer
+    from spec_jax.random_checkpoint import hf_config
+
+    for name in COPIED:
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, out / name)
+    gguf_file = find_gguf(src)
+    if gguf_file is None:
+        return
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, vl_wrapped=False), indent=2))
+    if dataclasses.replace(load_config(out), mtp_num_hidden_layers=cfg.mtp_num_hidden_layers) != cfg:
+        raise CheckpointError(f"the config read from {gguf_file} cannot be written as a config.json that "
+                              f"reads back the same; convert supports GGUF qwen35/qwen35moe sources")
+    tokenizer = gguf_tokenizer(gguf_file)
+    if tokenizer is not None:
+        tokenizer.hf.save(str(out / "tokenizer.json"))
 
 
 def restore(model_dir: str | os.PathLike, dtype: str | None = None):

@@ -7,6 +7,7 @@ from conftest import HF_FIXTURES
 from spec_jax import LLM
 from spec_jax.checkpoint import CheckpointError, load_model
 from spec_jax.cli import main
+from spec_jax.convert import convert
 
 
 @pytest.mark.parametrize("case, dtype", [("moe_vl", "float32"), ("dense_vl", "bfloat16")])
@@ -42,3 +43,16 @@ def test_a_damaged_conversion_is_named(tmp_path):
     shutil.rmtree(out / "params")
     with pytest.raises(CheckpointError, match="cannot restore"):
         load_model(out)
+
+
+def test_a_gguf_converts_and_restores_to_the_same_logits(tmp_path, tiny_dir):
+    """GGUF Q8_0 is dequantized once by convert; the restore gives the GGUF's own logits."""
+    from spec_jax.gguf_writer import write_gguf
+
+    gguf_file = write_gguf(tiny_dir, tmp_path / "src" / "tiny.gguf", "q8_0")
+    convert(gguf_file, tmp_path / "out", "float32")
+    ids = list(range(3, 40))
+    direct = LLM(model=str(gguf_file), dtype="float32", max_model_len=64, max_num_seqs=1)
+    restored = LLM(model=str(tmp_path / "out"), dtype="float32", max_model_len=64, max_num_seqs=1)
+    assert restored.cfg == direct.cfg
+    np.testing.assert_allclose(restored.logits(ids), direct.logits(ids), rtol=1e-5, atol=1e-5)
