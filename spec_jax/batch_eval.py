@@ -59,12 +59,12 @@ def parse_line(llm: LLM, line: str, n: int, *, max_tokens: int, temperature: flo
         raise ValueError(f"unknown key {unknown[0]!r}; expected some of {', '.join(sorted(LINE_KEYS))}")
     if ("prompt" in obj) == ("prompt_token_ids" in obj):
         raise ValueError('give exactly one of "prompt" (text) or "prompt_token_ids"')
-    prompt = obj.get("prompt")
-    ids = llm._encode(prompt, "prompt") if prompt is not None else obj["prompt_token_ids"]
-    if not isinstance(ids, list):
+    prompt, ids = obj.get("prompt"), obj.get("prompt_token_ids")
+    if prompt is None and not isinstance(ids, list):
         raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
     settings = {"max_tokens": max_tokens, "temperature": temperature, **{k: obj[k] for k in SAMPLING_KEYS if k in obj}}
-    return EvalRequest(n, obj.get("id"), prompt, llm._check_ids(ids, "the prompt"), SamplingParams(**settings))
+    ids = llm.tokenize(prompt if prompt is not None else ids, "the prompt")
+    return EvalRequest(n, obj.get("id"), prompt, ids, SamplingParams(**settings))
 
 
 def run(llm: LLM, requests: list[EvalRequest], *, warmup: bool = True) -> tuple[list[RequestOutput], dict]:

@@ -30,7 +30,7 @@ from proposers.oracle import OracleProposer, OracleTokens
 from spec_jax.checkpoint import load_model, read_json, resolve_dtype
 from spec_jax.checkpoint_drafters import load_dflash, load_eagle3
 from spec_jax.checkpoint_gguf import find_gguf, gguf_tokenizer
-from spec_jax.engine import Engine, SpecPlan, enable_compilation_cache
+from spec_jax.engine import DecodeState, Engine, SpecPlan, enable_compilation_cache
 from spec_jax.sampling import RowSampling
 from spec_jax.spec_config import NEEDS_MODEL, SpeculativeConfig, parse_speculative_config
 from spec_jax.tokenizer import Tokenizer
@@ -185,6 +185,12 @@ class LLM:
             raise ValueError(f"{self.model_path} has no tokenizer.json; pass prompt_token_ids instead of text")
         return self.tokenizer.encode(prompt)
 
+    def tokenize(self, prompt: str | Sequence[int], what: str = "prompt") -> list[int]:
+        """A prompt's token ids, checked: text through the checkpoint's tokenizer, ids as given.
+        Raises ValueError naming `what` for an empty prompt, an id outside the vocabulary, or a
+        prompt that leaves no room for a generated token under max_model_len."""
+        return self._check_ids(self._encode(prompt, what) if isinstance(prompt, str) else prompt, what)
+
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Full-sequence target logits: token_ids [T] -> np.ndarray [T, vocab] float32."""
         ids = self._check_ids(token_ids, "token_ids")
@@ -224,6 +230,34 @@ class LLM:
         self.metrics = aggregate_metrics(outputs)
         self.metrics["tokens_per_s"] = self.metrics["num_generated_tokens"] / (time.perf_counter() - t0)
         return outputs
+
+    # ------------------------------------------------------------------ the functional layer
+
+    def prefill(self, prompt_token_ids: Sequence[Sequence[int]],
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> DecodeState:
+        """The explicit-state entry for notebooks and eval loops: pad up to max_num_seqs prompts
+        to their buckets (batch rows and prompt length, powers of two) and prefill them.
+
+        Returns the `DecodeState` pytree (`tokens` [B, L], `lengths` [B], `done` [B], caches,
+        proposer state, `stats`); rows past the prompts are padding and start done. Step it with
+        `decode`; row i's tokens are `tokens[i, len(prompt_i):lengths[i]]`.
+        """
+        ids = [self.tokenize(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
+        if not 1 <= len(ids) <= self.engine.max_num_seqs:
+            raise ValueError(f"got {len(ids)} prompts; prefill takes 1 to max_num_seqs={self.engine.max_num_seqs}")
+        params = sampling_params or SamplingParams()
+        params = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(ids):
+            raise ValueError(f"got {len(params)} sampling_params for {len(ids)} prompts")
+        return self._start_batch(ids, params)[0]
+
+    def decode(self, state: DecodeState, steps: int = 1) -> DecodeState:
+        """Run up to `steps` jitted (speculative) steps on a `prefill`ed state, on the device,
+        stopping early when every row is done. The state is donated: use the returned one."""
+        if steps < 1:
+            raise ValueError(f"steps={steps} must be at least 1")
+        do_sample = bool(jax.device_get(jnp.any(state.sampling.temperature > 0)))
+        return self.engine.decode(state, steps, do_sample)
 
     def _row_seed(self, p: SamplingParams) -> int:
         self._requests += 1
@@ -305,7 +339,7 @@ class LLM:
             raise ValueError("pass exactly one of prompt (text) or prompt_token_ids")
         if steps_per_chunk < 1:
             raise ValueError(f"steps_per_chunk={steps_per_chunk} must be at least 1")
-        ids = self._check_ids(self._encode(prompt, "prompt") if prompt is not None else prompt_token_ids, "prompt")
+        ids = self.tokenize(prompt if prompt is not None else prompt_token_ids)
         params = sampling_params or SamplingParams()
         state, do_sample, _ = self._start_batch([ids], [params])
         sent = len(ids)

@@ -117,7 +117,7 @@ class Scheduler:
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[Update], None]) -> Request:
         """Queue a prompt; `sink` gets its updates. Bad prompts or stop lists raise ValueError here."""
-        ids = self.llm._check_ids(prompt_token_ids, "prompt")
+        ids = self.llm.tokenize(prompt_token_ids)
         if len(params.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids given; at most {MAX_STOP_TOKEN_IDS} "
                              f"are supported")

@@ -267,8 +267,7 @@ class Server:
     def encode(self, prompt, param: str) -> list[int]:
         """Text or token ids -> checked token ids."""
         try:
-            ids = self.llm._encode(prompt, param) if isinstance(prompt, str) else prompt
-            return self.llm._check_ids(ids, param)
+            return self.llm.tokenize(prompt, param)
         except (TypeError, ValueError) as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) else None
             raise APIError(400, str(e), param=param, code=code) from None

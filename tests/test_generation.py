@@ -109,3 +109,20 @@ def test_generation_stops_at_max_model_len(tiny_llm):
     out = tiny_llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
         max_tokens=None, temperature=0, ignore_eos=True))[0].outputs[0]
     assert len(prompt) + len(out.token_ids) == 256 and out.finish_reason == "length"
+
+
+def test_the_functional_layer_steps_to_what_generate_returns(tiny_llm):
+    """`LLM.prefill` then `LLM.decode` one step at a time over the explicit state gives the same
+    tokens as `generate`; padding rows of the bucket start done."""
+    llm = tiny_llm.with_speculation({"method": "ngram", "num_speculative_tokens": 2})
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    state = llm.prefill(prompts, params)
+    assert state.tokens.shape[0] == llm.engine.batch_bucket(2) and bool(state.done[2:].all())
+    while not bool(state.done[:2].all()):
+        state = llm.decode(state, 1)
+    got = [state.tokens[i, len(p):int(state.lengths[i])].tolist() for i, p in enumerate(prompts)]
+    assert got == want
+    with pytest.raises(ValueError, match="prefill takes 1 to max_num_seqs=4"):
+        llm.prefill([[1]] * 5, params)
