@@ -63,3 +63,27 @@ def test_random_fallback_without_shipped_assets(tmp_path, monkeypatch):
     assert not default_model.is_trained_default()
     assert default_model.default_model_dir() == tmp_path / default_model.NAME
     assert (tmp_path / default_model.NAME / "tokenizer.json").exists()
+
+
+def test_dflash_training_objective_scores_the_block_inference_drafts(trained_dir):
+    """The distillation loss looks at an anchor exactly as the proposer drafts there: feeding the
+    proposer's first block back as labels, the training pass accepts all seven drafts."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from spec_jax.checkpoint_drafters import load_dflash
+    from spec_jax.engine import drafting_policy
+    from spec_jax.training.train import dflash_loss
+
+    prompt = json.loads(HELDOUT_CODE.read_text())["prompt_ids"]
+    llm = LLM(model=str(trained_dir), dtype="float32", max_model_len=256, max_num_seqs=1,
+              speculative_config={"method": "dflash", "model": str(trained_dir / "dflash"), "num_speculative_tokens": 7})
+    state = llm.prefill([prompt], SamplingParams(max_tokens=8, temperature=0.0))
+    model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    choose = drafting_policy(state.sampling, probabilistic=False, do_sample=False)
+    drafts = llm.engine.plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)[0]
+    P = len(prompt)  # the anchor: the first generated token sits at position P
+    seqs = jnp.concatenate([state.tokens[:1, :P + 1], drafts[:1]], axis=1)
+    _, metrics = dflash_loss(load_dflash(trained_dir / "dflash", llm.cfg, jnp.float32)[0], model, seqs,
+                             jnp.asarray([[P]]), gamma=4.0)
+    assert float(metrics["accept_len"]) == 8.0, (drafts, metrics)
