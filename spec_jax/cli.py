@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file named on the command line cannot be read or written
+        print(f"error: {e.strerror}: {e.filename!r}" if e.filename else f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -88,3 +88,9 @@ def test_an_empty_file_is_refused(tiny_llm, tmp_path):
     (tmp_path / "e.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no prompts"):
         read_requests(tiny_llm, tmp_path / "e.jsonl", max_tokens=8, temperature=0.0)
+
+
+def test_a_missing_input_file_is_an_error_not_a_traceback(tiny_dir, tmp_path, capsys):
+    rc = main(["bench", "--model", str(tiny_dir), "--input", str(tmp_path / "absent.jsonl")])
+    assert rc == 2
+    assert f"error: No such file or directory: '{tmp_path / 'absent.jsonl'}'" in capsys.readouterr().err
