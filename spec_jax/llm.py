@@ -401,8 +401,13 @@ def load_draft(spec: SpeculativeConfig, target_cfg, dtype):
         return load_dflash(spec.model, target_cfg, dtype)[0]
     if spec.method == "eagle3":
         return load_eagle3(spec.model, target_cfg, dtype)[0]
-    model_type = read_json(Path(spec.model) / "config.json").get("model_type")
-    if model_type == "qwen3":
+    config = read_json(Path(spec.model) / "config.json")
+    architectures = " ".join(config.get("architectures") or [])
+    for marker, method in (("DFlash", "dflash"), ("DSpark", "dspark"), ("Eagle3", "eagle3")):
+        if marker in architectures or config.get("speculators_model_type") == method:
+            raise ValueError(f"{spec.model!r} is a {method} drafter ({architectures or method}), not a model "
+                             f"draft_model can run; set method to {method!r}")
+    if config.get("model_type") == "qwen3":
         from spec_jax.checkpoint_qwen3 import load_qwen3
         draft, cfg = load_qwen3(spec.model, dtype)
     else:

@@ -84,6 +84,15 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llm, tmp_path):
         tiny_llm.with_speculation(spec(other, 2))
 
 
+@pytest.mark.parametrize("kind, method", [("dflash", "dflash"), ("dspark", "dspark"), ("eagle3", "eagle3")])
+def test_a_drafter_checkpoint_is_not_a_draft_model(tiny_llm, tiny_dir, tmp_path, kind, method):
+    from spec_jax.random_checkpoint import main as write
+
+    write([kind, str(tmp_path / kind), "--target", str(tiny_dir), "--layers", "1"])
+    with pytest.raises(ValueError, match=f"is a {method} drafter .*; set method to '{method}'"):
+        tiny_llm.with_speculation(spec(tmp_path / kind, 2))
+
+
 def test_a_plain_qwen3_draft(tiny_llm, plain):
     """A Qwen3 (attention-only) checkpoint drafts for the Qwen3.5 target; its vocabulary matches."""
     llm = tiny_llm.with_speculation(spec(HF_FIXTURES.parent / "qwen3", 2))
