@@ -13,6 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SPEC_JAX_XLA_CACHE", str(Path(__file__).parent.parent / ".venv" / "xla-cache"))
 
 from models.qwen3_5 import Qwen3_5Config  # noqa: E402
+from spec_jax import SamplingParams  # noqa: E402
 from spec_jax.random_checkpoint import write_checkpoint  # noqa: E402
 
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -52,3 +53,30 @@ def echo_dir(tmp_path_factory):
     t["mtp.layers.0.mlp.down_proj.weight"] *= 0.1
     save_file(t, str(d / "model.safetensors"))
     return d
+
+
+# ----------------------------------------------------------------------------- drafter tests
+
+DRAFT_GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+def drafter_prompts() -> list[list[int]]:
+    """Three prompts of 5, 17 and 40 tokens in the tiny model's vocabulary."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 500, n).tolist() for n in (5, 17, 40)]
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(tiny_llm) -> list[list[int]]:
+    """The tiny model's greedy completions of `drafter_prompts()`, speculation off."""
+    outs = tiny_llm.generate(prompt_token_ids=drafter_prompts(), sampling_params=DRAFT_GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_greedy_equals_plain(llm, plain: list[list[int]]) -> None:
+    """A speculating `llm` reproduces `plain` alone and in a mixed batch whose middle row opts out."""
+    alone = llm.generate(prompt_token_ids=drafter_prompts()[:1], sampling_params=DRAFT_GREEDY)
+    assert alone[0].outputs[0].token_ids == plain[0]
+    params = [DRAFT_GREEDY, dataclasses.replace(DRAFT_GREEDY, speculative=False), DRAFT_GREEDY]
+    mixed = llm.generate(prompt_token_ids=drafter_prompts(), sampling_params=params)
+    assert [o.outputs[0].token_ids for o in mixed] == plain

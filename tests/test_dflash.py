@@ -11,14 +11,12 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from conftest import HF_FIXTURES
+from conftest import DRAFT_GREEDY as GREEDY, HF_FIXTURES, assert_greedy_equals_plain
 from models.dflash import DFlashConfig
 from models.qwen3_5 import Batch, TargetOut, init_cache
-from spec_jax import SamplingParams
 from spec_jax.checkpoint import load_model
 from spec_jax.random_checkpoint import write_dflash_checkpoint
 
-GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 DRAFTER = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, target_layer_ids=(1, 4, 6), mask_token_id=510,
                        block_size=4, vocab_size=512)
@@ -60,16 +58,9 @@ def test_checkpoint_uses_z_labs_names(dflash_dir):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [1, 4, 6]
 
 
-def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, dflash_dir):
-    rng = np.random.default_rng(0)
-    ids = [rng.integers(0, 500, n).tolist() for n in (5, 17, 40)]
-    plain = [o.outputs[0].token_ids for o in tiny_llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)]
+def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, plain_greedy, dflash_dir):
     llm = tiny_llm.with_speculation(spec(dflash_dir))
-    alone = llm.generate(prompt_token_ids=ids[:1], sampling_params=GREEDY)
-    assert alone[0].outputs[0].token_ids == plain[0]
-    mixed = llm.generate(prompt_token_ids=ids, sampling_params=[GREEDY, dataclasses.replace(GREEDY, speculative=False),
-                                                                 GREEDY])
-    assert [o.outputs[0].token_ids for o in mixed] == plain
+    assert_greedy_equals_plain(llm, plain_greedy)
     assert llm.metrics["num_draft_tokens"] > 0 and len(llm.metrics["acceptance_per_position"]) == 3
 
 

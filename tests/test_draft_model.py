@@ -10,12 +10,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from conftest import HF_FIXTURES, TINY
+from conftest import DRAFT_GREEDY as GREEDY, HF_FIXTURES, TINY, drafter_prompts as prompts
 from models.qwen3_5 import Batch
-from spec_jax import SamplingParams
 from spec_jax.random_checkpoint import write_checkpoint
-
-GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -30,33 +27,23 @@ def near_copy(tiny_dir, tmp_path_factory):
     return d
 
 
-def prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, 500, n).tolist() for n in (5, 17, 40)]
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llm):
-    return [o.outputs[0].token_ids for o in tiny_llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)]
-
-
 def spec(draft, k):
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
 
 
-def test_target_as_its_own_draft_accepts_everything(tiny_llm, tiny_dir, plain):
+def test_target_as_its_own_draft_accepts_everything(tiny_llm, tiny_dir, plain_greedy):
     llm = tiny_llm.with_speculation(spec(tiny_dir, 3))
     outs = llm.generate(prompt_token_ids=prompts()[:1], sampling_params=GREEDY)
-    assert outs[0].outputs[0].token_ids == plain[0]
+    assert outs[0].outputs[0].token_ids == plain_greedy[0]
     assert llm.metrics["acceptance_rate"] == 1.0 and llm.metrics["mean_acceptance_length"] == 4.0
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_partial_acceptance_in_a_mixed_batch(tiny_llm, near_copy, plain, k):
+def test_partial_acceptance_in_a_mixed_batch(tiny_llm, near_copy, plain_greedy, k):
     llm = tiny_llm.with_speculation(spec(near_copy, k))
     params = [GREEDY, dataclasses.replace(GREEDY, speculative=False), GREEDY]
     outs = llm.generate(prompt_token_ids=prompts(), sampling_params=params)
-    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert [o.outputs[0].token_ids for o in outs] == plain_greedy
     assert 0.2 < llm.metrics["acceptance_rate"] < 0.95
     assert outs[1].metrics["num_draft_tokens"] == 0
 
@@ -93,9 +80,9 @@ def test_a_drafter_checkpoint_is_not_a_draft_model(tiny_llm, tiny_dir, tmp_path,
         tiny_llm.with_speculation(spec(tmp_path / kind, 2))
 
 
-def test_a_plain_qwen3_draft(tiny_llm, plain):
+def test_a_plain_qwen3_draft(tiny_llm, plain_greedy):
     """A Qwen3 (attention-only) checkpoint drafts for the Qwen3.5 target; its vocabulary matches."""
     llm = tiny_llm.with_speculation(spec(HF_FIXTURES.parent / "qwen3", 2))
     outs = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert [o.outputs[0].token_ids for o in outs] == plain_greedy
     assert llm.metrics["num_draft_tokens"] > 0

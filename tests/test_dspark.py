@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import DRAFT_GREEDY as GREEDY, assert_greedy_equals_plain, drafter_prompts as prompts
 from models.dflash import DFlashConfig
 from spec_jax import LLM, SamplingParams
 from spec_jax.random_checkpoint import write_dflash_checkpoint
 
-GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 DSPARK = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, target_layer_ids=(1, 4, 6), mask_token_id=510,
                       block_size=4, vocab_size=512, markov_rank=8, sample_from_anchor=True)
@@ -28,17 +28,9 @@ def spec(d, k=4, **kw):
     return {"method": "dspark", "model": str(d), "num_speculative_tokens": k, **kw}
 
 
-def prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, 500, n).tolist() for n in (5, 17, 40)]
-
-
-def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, dspark_dir):
-    plain = [o.outputs[0].token_ids for o in tiny_llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)]
+def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, plain_greedy, dspark_dir):
     llm = tiny_llm.with_speculation(spec(dspark_dir))
-    assert llm.generate(prompt_token_ids=prompts()[:1], sampling_params=GREEDY)[0].outputs[0].token_ids == plain[0]
-    params = [GREEDY, dataclasses.replace(GREEDY, speculative=False), GREEDY]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts(), sampling_params=params)] == plain
+    assert_greedy_equals_plain(llm, plain_greedy)
     assert llm.metrics["num_draft_tokens"] > 0 and len(llm.metrics["acceptance_per_position"]) == 4
 
 

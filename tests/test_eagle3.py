@@ -11,12 +11,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from conftest import DRAFT_GREEDY as GREEDY, assert_greedy_equals_plain, drafter_prompts as prompts
 from models.eagle3 import Eagle3Config
 from models.qwen3_5 import Batch, init_cache
-from spec_jax import SamplingParams
 from spec_jax.random_checkpoint import write_eagle3_checkpoint
 
-GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 HEAD = Eagle3Config(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     vocab_size=512, draft_vocab_size=128, target_layer_ids=(1, 3, 5), target_hidden_size=64)
 
@@ -25,25 +24,13 @@ def spec(d, k=3):
     return {"method": "eagle3", "model": str(d), "num_speculative_tokens": k}
 
 
-def prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, 500, n).tolist() for n in (5, 17, 40)]
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llm):
-    return [o.outputs[0].token_ids for o in tiny_llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)]
-
-
 @pytest.mark.parametrize("head, midlayer", [(HEAD, False),
                                             (dataclasses.replace(HEAD, hidden_size=48, has_embedding=True), True)],
                          ids=["shared-embedding", "own-embedding-midlayer-names"])
-def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, plain, tmp_path, head, midlayer):
+def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, plain_greedy, tmp_path, head, midlayer):
     d = write_eagle3_checkpoint(tmp_path / "e", head, seed=2, midlayer_names=midlayer)
     llm = tiny_llm.with_speculation(spec(d))
-    assert llm.generate(prompt_token_ids=prompts()[:1], sampling_params=GREEDY)[0].outputs[0].token_ids == plain[0]
-    params = [GREEDY, dataclasses.replace(GREEDY, speculative=False), GREEDY]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts(), sampling_params=params)] == plain
+    assert_greedy_equals_plain(llm, plain_greedy)
     assert llm.metrics["num_draft_tokens"] > 0
 
 
