@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.qwen3_5 import FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, cached_attention, zeros_param
+from models.qwen3_5 import (FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, cached_attention,
+                             check_head_groups, zeros_param)
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
@@ -59,11 +60,7 @@ class Qwen3Config:
     def __post_init__(self):
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; only 'silu' (SwiGLU) is implemented")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        check_head_groups(self, "num_attention_heads", "num_key_value_heads")
 
     # Qwen3_5Config's layout vocabulary, so code written for it (checkpoint naming, cache
     # sizing) reads this config too: one full-attention layer repeated num_hidden_layers times.

@@ -34,6 +34,13 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_
 # ----------------------------------------------------------------------------- config
 
 
+def check_head_groups(cfg, heads: str, groups: str) -> None:
+    """ValueError unless the config field `heads` is a multiple of the field `groups` (GQA-style
+    sharing: each group serves heads // groups heads)."""
+    if getattr(cfg, heads) % getattr(cfg, groups):
+        raise ValueError(f"{heads} ({getattr(cfg, heads)}) must be a multiple of {groups} ({getattr(cfg, groups)})")
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3_5Config:
     """The text model's config; field names are the checkpoint's `config.json` keys."""
@@ -81,16 +88,8 @@ class Qwen3_5Config:
             )
         if self.num_hidden_layers % len(self.pattern):
             raise ValueError(f"layer_types {self.layer_types} is not a whole number of repeats of one pattern")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(
-                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
-                f"linear_num_key_heads ({self.linear_num_key_heads})"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+        check_head_groups(self, "linear_num_value_heads", "linear_num_key_heads")
+        check_head_groups(self, "num_attention_heads", "num_key_value_heads")
 
     @property
     def pattern(self) -> tuple[str, ...]:
