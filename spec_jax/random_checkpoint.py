@@ -74,12 +74,19 @@ def hf_config(cfg: Qwen3_5Config, *, vl_wrapped: bool) -> dict:
             "vision_config": {"model_type": "qwen3_5_moe_vision" if cfg.is_moe else "qwen3_5_vision"}}
 
 
-def tensor_slots(make_model, sources):
-    """(checkpoint name, shape) of every tensor a model reads, in parameter order.
-    sources(path) -> (names, stacked), as the model's loader maps it."""
-    _, state = nnx.split(nnx.eval_shape(make_model))
+def named_leaves(state: nnx.State, sources):
+    """(checkpoint names, stacked, leaf) for every parameter of `state`, in parameter order.
+    sources(path) -> (names, stacked), as the model's loader maps it; a stacked leaf holds one
+    named tensor per entry of its leading axis."""
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
         names, stacked = sources(tuple(k.key for k in keypath))
+        yield names, stacked, leaf
+
+
+def tensor_slots(make_model, sources):
+    """(checkpoint name, shape) of every tensor a model reads, in parameter order."""
+    _, state = nnx.split(nnx.eval_shape(make_model))
+    for names, stacked, leaf in named_leaves(state, sources):
         shape = tuple(leaf.shape[1:] if stacked else leaf.shape)
         for name in names:
             yield name, shape

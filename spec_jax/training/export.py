@@ -26,7 +26,7 @@ from models.qwen3_5 import Qwen3_5Config
 from spec_jax.checkpoint import is_stacked, param_sources
 from spec_jax.checkpoint_drafters import dflash_sources
 from spec_jax.checkpoint_qwen3 import qwen3_sources
-from spec_jax.random_checkpoint import drafter_config_json, hf_config
+from spec_jax.random_checkpoint import drafter_config_json, hf_config, named_leaves
 from spec_jax.training.corpus import tokenizer_config
 
 MAX_SHARD_BYTES = 15 * 10**6
@@ -36,8 +36,7 @@ def named_tensors(params: nnx.State, sources) -> dict[str, np.ndarray]:
     """Our parameters -> {checkpoint name: bfloat16 array}. sources(path) -> (names, stacked) as
     the model's loader maps it; a stacked parameter is split along its leading axis."""
     out = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]:
-        names, stacked = sources(tuple(k.key for k in keypath))
+    for names, stacked, leaf in named_leaves(params, sources):
         value = np.asarray(jax.device_get(leaf), np.float32).astype(ml_dtypes.bfloat16)
         out.update(zip(names, value if stacked else [value]))
     return out
