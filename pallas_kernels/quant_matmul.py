@@ -183,6 +183,8 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     M, K = x.shape
     N = w.shape[0]
     t = tiling
+    if not t.fits(w):  # a tile past the edge would read and write out of bounds, silently
+        raise ValueError(f"tiling {t} does not divide a [{N}, {K}] weight (block_n | N, block_k * split_k | K)")
     Mp = max(16, next_pow2(M))
     xb = jnp.pad(x.astype(jnp.bfloat16), ((0, Mp - M), (0, 0)))
     if w.format == "nvfp4":

@@ -87,6 +87,12 @@ def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
     assert pick_tiling(x, quantize(np.ones((48, K), np.float32), "int8")) is None  # 48 columns: no block divides
 
 
+def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
+    w = quantize(np.ones((48, K), np.float32), "int8")
+    with pytest.raises(ValueError, match="does not divide a \\[48, 256\\] weight"):
+        quant_matmul_pallas(jnp.zeros((1, K), jnp.bfloat16), w, tiling=Tiling(block_n=32), interpret=True)
+
+
 def test_dispatcher_on_cpu_is_the_reference():
     w = quantize(np.random.default_rng(1).normal(size=(N, K)).astype(np.float32), "int8")
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, K)), jnp.float32)
