@@ -92,14 +92,14 @@ def tilings(fmt: str, M: int) -> list[Tiling]:
     return [Tiling(*s) for s in shapes]
 
 
-def quant_cases(rng, ceiling):
+def quant_cases(rng, ceiling, rows_tried=(1, 8, 64)):
     """Every format at the 27B MLP shape (N = 17408, K = 5120), M = 1, 8, 64 rows."""
     N, K = 17408, 5120
     w = jnp.asarray(rng.normal(size=(N, K)) * K ** -0.5, jnp.float32)
     w_bf16 = w.astype(jnp.bfloat16)
     w_fp8 = w.astype(jnp.float8_e4m3fn)
     rows = []
-    for M in (1, 8, 64):
+    for M in rows_tried:
         x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
         bf16_us = matmul_time_us(lambda x: x @ w_bf16.T, x)
         fp8_us = matmul_time_us(lambda x: jax.lax.dot_general(
@@ -133,13 +133,24 @@ def quant_cases(rng, ceiling):
     return rows
 
 
-def fla_time_us(q, k, v, g, beta, s0):
-    """flash-linear-attention's Triton chunked kernel on the same data (torch), if installed."""
+def kernel_breakdown(fn, calls: int = 3) -> dict:
+    """Device µs per call of each kernel fn() launches (profiler trace; bench/step_profile.py)."""
+    from bench.step_profile import summarize, trace_calls
+
+    jax.block_until_ready(fn())
+    events, _, _ = trace_calls(fn, (), calls)
+    return {k["name"][:60]: round(k["us_per_call"], 1) for k in summarize(events, calls)["kernels"][:8]}
+
+
+def fla_run(q, k, v, g, beta, s0):
+    """flash-linear-attention's Triton chunked kernel on the same data (torch): its outputs as
+    numpy and its time (µs), or why it could not run."""
     try:
         import torch
+        import triton.testing
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as e:
-        return {"fla_error": f"not installed: {e}"}
+        return {"fla_error": f"not installed: {e}"}, None
     t = lambda x: torch.tensor(np.asarray(x)).cuda()
     r = v.shape[2] // q.shape[2]  # grouped value heads: repeat q/k per value head, as HF does before FLA
     tq, tk = (t(x.astype(jnp.float32)).bfloat16().repeat_interleave(r, dim=2) for x in (q, k))
@@ -148,35 +159,61 @@ def fla_time_us(q, k, v, g, beta, s0):
     run = lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
                                          use_qk_l2norm_in_kernel=True)
     try:
-        import triton.testing
-        return {"fla_us": 1e3 * triton.testing.do_bench(run, return_mode="median")}
+        o, s = run()
+        outputs = (jnp.asarray(o.float().cpu().numpy()), jnp.asarray(s.float().cpu().numpy()))
+        return {"fla_us": 1e3 * triton.testing.do_bench(run, return_mode="median")}, outputs
     except Exception as e:  # GVA layouts or API differences: report, do not guess
-        return {"fla_error": str(e)[:300]}
+        return {"fla_error": str(e)[:300]}, None
 
 
-def chunked_cases(rng):
+CHUNKED_VARIANTS = {  # name: gdn_chunked_pallas keywords
+    "f32_bv64_s1": dict(operands=jnp.float32, block_v=64, state_stages=1),
+    "bf16_bv64_s1": dict(operands=jnp.bfloat16, block_v=64, state_stages=1),
+    "bf16_bv32_s1": dict(operands=jnp.bfloat16, block_v=32, state_stages=1),
+    "bf16_bv64_s2": dict(operands=jnp.bfloat16, block_v=64, state_stages=2),  # the dispatcher's
+    "bf16_bv32_s3": dict(operands=jnp.bfloat16, block_v=32, state_stages=3),
+}
+
+
+def call_time_us(fn, args: tuple, reps: int = 20) -> float:
+    """Mean time of back-to-back calls of jit(fn)(*args) after a warm-up call (µs)."""
+    from bench.verify_cost import timed
+
+    return 1e3 * timed(jax.jit(fn), *args, reps=reps)
+
+
+def chunked_cases(rng, tokens=(130, 4096, 16384)):
     """Chunked GDN prefill at 27B GDN shapes (16 key / 48 value heads, 128 dims), 4k and 16k tokens,
-    against XLA's reference (checked and timed up to 4k: its compile folds constants for minutes
-    at 16k) and flash-linear-attention."""
+    against XLA's reference and flash-linear-attention; errors are relative to XLA's reference
+    (FLA's too). Timed as back-to-back jitted calls on argument
+    arrays: inside a loop on captured inputs XLA folds or hoists the input-only work."""
     rows = []
-    for T in (130, 4096, 16384):  # 130: a ragged tail past two chunks, checked for correctness
+    for T in tokens:  # 130: a ragged tail past two chunks, checked for correctness
         B, nk, nv, d = 1, 16, 48, 128
         f = lambda *s, dt=jnp.bfloat16: jnp.asarray(rng.normal(size=s), dt)
         q, k, v = f(B, T, nk, d), f(B, T, nk, d), f(B, T, nv, d)
         g = -jnp.asarray(rng.uniform(0, 1, (B, T, nv)), jnp.float32)
         beta = jnp.asarray(rng.uniform(size=(B, T, nv)), jnp.float32)
         s0 = f(B, nv, d, d, dt=jnp.float32)
-        step = lambda fn: (lambda s: fn(q, k, v, g, beta, s)[1])
+        args = (q, k, v, g, beta, s0)
         row = {"op": "gdn_chunked", "T": T}
-        if T <= 4096:
-            want = gdn_chunked_reference(q, k, v, g, beta, s0)
-            for bv in (32, 64):
-                got = gdn_chunked_pallas(q, k, v, g, beta, s0, block_v=bv)
-                row[f"rel_err_bv{bv}"] = max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(got, want))
-            row["xla_us"] = loop_time_us(step(gdn_chunked_reference), s0, 5)
-        for bv in (32, 64):
-            row[f"kernel_us_bv{bv}"] = loop_time_us(step(functools.partial(gdn_chunked_pallas, block_v=bv)), s0, 5)
-        row.update(fla_time_us(q, k, v, g, beta, s0))
+        want = jax.jit(gdn_chunked_reference)(*args)
+        row["xla_us"] = call_time_us(gdn_chunked_reference, args)
+        error = lambda got: max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(got, want))
+        for name, kw in CHUNKED_VARIANTS.items():
+            fn = functools.partial(gdn_chunked_pallas, **kw)
+            try:
+                row[f"rel_err_{name}"] = error(fn(*args))
+                row[f"kernel_us_{name}"] = call_time_us(fn, args)
+            except Exception as e:  # a Triton limit on one variant: report it, time the rest
+                row[f"error_{name}"] = str(e)[:300]
+        fla, fla_out = fla_run(q, k, v, g, beta, s0)
+        row.update(fla)
+        if fla_out is not None:
+            row["rel_err_fla"] = error(fla_out)
+        if T == 4096:
+            row["kernels_us_bf16_bv64"] = kernel_breakdown(
+                lambda: gdn_chunked_pallas(q, k, v, g, beta, s0, operands=jnp.bfloat16))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -186,15 +223,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", choices=["gdn", "quant", "chunked"], default=None)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[130, 4096, 16384], help="chunked prefill lengths")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64], help="quantized matmul activation rows")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
     if args.only in (None, "chunked"):
-        rows += chunked_cases(rng)
+        rows += chunked_cases(rng, args.tokens)
     if args.only in (None, "quant"):
         ceiling = hbm_ceiling_GB_s()
         print(json.dumps({"hbm_ceiling_GB_s": ceiling}), flush=True)
-        rows += quant_cases(rng, ceiling)
+        rows += quant_cases(rng, ceiling, args.rows)
     for nv in (16, 32, 48) if args.only in (None, "gdn") else ():
         for B in (1, 8):
             for T, keep in ((1, False), (2, True), (4, True), (4, False)):
