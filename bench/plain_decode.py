@@ -19,8 +19,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from models import qwen3_5
 from models.qwen3_5 import Qwen3_5Config
+from pallas_kernels.quant_matmul import FORMATS
 from spec_jax import LLM, SamplingParams
+from spec_jax.convert import convert
 from spec_jax.random_checkpoint import write_checkpoint
 
 GEOMETRIES = {
@@ -32,6 +35,21 @@ GEOMETRIES = {
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
                  num_key_value_heads=2, linear_num_value_heads=16, tie_word_embeddings=True, vocab_size=4096),
 }
+
+
+class RolledLayers(argparse.Action):
+    """Keep the layer scan rolled on the GPU too (models.qwen3_5.scan_layers), to compare."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, help=self.__doc__, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        qwen3_5.UNROLL_LAYERS_ON_GPU = False
+
+
+def layer_scan() -> str:
+    """How the layers run on this backend: "unrolled" or "rolled"."""
+    return "unrolled" if qwen3_5.unroll_layers() else "rolled"
 
 
 def geometry_config(name: str) -> Qwen3_5Config:
@@ -57,6 +75,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--rolled-layers", action=RolledLayers)
+    ap.add_argument("--quantization", choices=FORMATS, default=None,
+                    help="convert the projections to this weight-only format first (spec-jax convert)")
     args = ap.parse_args()
 
     cfg = geometry_config(args.geometry)
@@ -65,7 +86,8 @@ def main() -> None:
         t = time.perf_counter()
         write_checkpoint(d, cfg, dtype="bfloat16")
         print(f"wrote random {args.geometry} checkpoint in {time.perf_counter() - t:.1f}s", flush=True)
-        llm = LLM(model=d, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64,
+        model = convert(d, f"{d}/quantized", "bfloat16", args.quantization) if args.quantization else d
+        llm = LLM(model=model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64,
                   max_num_seqs=max(args.batch))
         wbytes = weight_bytes(llm)
         rng = np.random.default_rng(0)
@@ -80,7 +102,7 @@ def main() -> None:
             steps = args.new_tokens - 1
             step_s = m["decode_s"] / steps
             row = {"geometry": args.geometry, "batch": B, "dtype": args.dtype, "device": jax.devices()[0].device_kind,
-                   "prefill_ms": 1e3 * m["prefill_s"], "tpot_ms": 1e3 * step_s,
+                   "layers": layer_scan(), "quantization": args.quantization, "prefill_ms": 1e3 * m["prefill_s"], "tpot_ms": 1e3 * step_s,
                    "decode_tok_s": B * steps / m["decode_s"], "weight_GB_s": wbytes / step_s / 1e9,
                    "weight_bytes": wbytes, "first_run_s": compile_s}
             rows.append(row)

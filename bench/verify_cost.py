@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bench.plain_decode import GEOMETRIES, geometry_config
+from bench.plain_decode import GEOMETRIES, RolledLayers, geometry_config, layer_scan
 from models.qwen3_5 import Batch, init_cache
 from spec_jax.checkpoint import load_model
 from spec_jax.random_checkpoint import write_checkpoint
@@ -32,6 +32,32 @@ def timed(fn, *args, reps: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t) / reps
 
 
+def build_model(geometry: str):
+    """(config, graphdef, params) of a random bf16 model of a geometry, loaded through the
+    released checkpoint layout."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model, cfg = load_model(write_checkpoint(tmp, geometry_config(geometry), dtype="bfloat16"), "bfloat16")
+    gdef, params = nnx.split(model)
+    return cfg, gdef, params
+
+
+def make_forward(gdef, kv_len: int):
+    """forward(params, tokens, start, cache, rollback, with_logits) -> (logits or hidden, cache):
+    one target pass over tokens [B, T] at positions start; with a rollback it commits T // 2 + 1
+    tokens (the verify step's bookkeeping)."""
+
+    def forward(params, tokens, start, cache, rollback, with_logits):
+        m = nnx.merge(gdef, params)
+        batch = Batch(start, jnp.full_like(start, tokens.shape[1]))
+        out = m(tokens, batch, cache, kv_len=kv_len, rollback=rollback)
+        hidden, cache = out[0], out[1]
+        if rollback is not None:
+            cache = m.commit(cache, out[2], jnp.full_like(start, tokens.shape[1] // 2 + 1))
+        return (m.logits(hidden) if with_logits else hidden), cache
+
+    return forward
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="0.8b", choices=GEOMETRIES)
@@ -39,21 +65,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--context", type=int, default=384, help="tokens already in the cache")
     ap.add_argument("--cache-len", type=int, default=512)
+    ap.add_argument("--rolled-layers", action=RolledLayers)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = geometry_config(args.geometry)
-        model, cfg = load_model(write_checkpoint(tmp, cfg, dtype="bfloat16"), "bfloat16")
-    gdef, params = nnx.split(model)
+    cfg, gdef, params = build_model(args.geometry)
     L = args.cache_len
-
-    def forward(params, tokens, start, cache, rollback, with_logits):
-        m = nnx.merge(gdef, params)
-        batch = Batch(start, jnp.full_like(start, tokens.shape[1]))
-        out = m(tokens, batch, cache, kv_len=L, rollback=rollback)
-        hidden, cache = out[0], out[1]
-        if rollback is not None:
-            cache = m.commit(cache, out[2], jnp.full_like(start, tokens.shape[1] // 2 + 1))
-        return (m.logits(hidden) if with_logits else hidden), cache
+    forward = make_forward(gdef, L)
 
     for B in args.batch:
         cache = init_cache(cfg, B, L, jnp.bfloat16)
@@ -63,7 +79,7 @@ def main() -> None:
         base = None
         for name, T, rb in runs:
             tokens = jnp.ones((B, T), jnp.int32)
-            row = {"batch": B, "pass": name}
+            row = {"batch": B, "pass": name, "layers": layer_scan()}
             for with_logits in (False, True):
                 fn = jax.jit(lambda p, t, s, c, rb=rb, wl=with_logits: forward(p, t, s, c, rb, wl))
                 row["ms_with_logits" if with_logits else "ms_body"] = timed(fn, params, tokens, start, cache)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.qwen3 import PlainRMSNorm
-from models.qwen3_5 import MLP, KVCache, Linear, apply_rope, attend_masked
+from models.qwen3_5 import MLP, KVCache, Linear, apply_rope, attend_masked, scan_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +177,7 @@ class DFlashDraft(nnx.Module):
 
     def _scan(self, fn, xs_extra, init):
         gdef, params = nnx.split(self.layers[0])
-        return jax.lax.scan(lambda c, xs: fn(nnx.merge(gdef, xs[0]), c, *xs[1:]), init, (params, *xs_extra))
+        return scan_layers(lambda c, xs: fn(nnx.merge(gdef, xs[0]), c, *xs[1:]), init, (params, *xs_extra))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Context K/V of every layer: [layers, B, L, kv, d]."""

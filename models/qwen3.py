@@ -10,7 +10,7 @@ attention, KVCache, Batch) are the Qwen3.5 model's; what differs from Qwen3.5:
   no output gate (q_proj is [nq*d, H]), optional q/k/v/o biases (`attention_bias`);
 * no GDN layers, hence nothing to roll back after a verify pass.
 
-All layers are stacked on a leading axis and run under one `lax.scan`; the model is pure over
+All layers are stacked on a leading axis and run under one `scan_layers`; the model is pure over
 an explicit `KVCache` [num_layers, B, L, kv_heads, head_dim]. Checkpoint name mapping lives in
 `spec_jax/checkpoint_qwen3.py`; attribute names mirror the HF tensor names.
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.qwen3_5 import (FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, cached_attention,
+from models.qwen3_5 import (FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, cached_attention, scan_layers,
                              check_head_groups, zeros_param)
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
@@ -248,7 +248,7 @@ class Qwen3Model(nnx.Module):
             return (x, cache), None
 
         layers = (jnp.arange(self.cfg.num_hidden_layers), stacked)
-        (x, cache), _ = jax.lax.scan(layer, (self.embed(tokens), cache), layers)
+        (x, cache), _ = scan_layers(layer, (self.embed(tokens), cache), layers)
         if rollback is None:
             return self.norm(x), cache
         return self.norm(x), cache, None

@@ -2,8 +2,9 @@
 
 Layers alternate Gated DeltaNet (linear attention) and gated full attention in a repeating
 pattern (three GDN layers, then one attention layer, for every released size). The pattern's
-layers are stacked over its repeats and run under one `lax.scan`, so compile time does not
-grow with depth.
+layers are stacked over its repeats and run under one `lax.scan` (`scan_layers`): rolled on the
+CPU, so compile time does not grow with depth; unrolled on the GPU, where a rolled scan copies
+every layer's weights out of the stacks each step.
 
 The model is pure over explicit caches: `Qwen3_5Model.__call__` takes the caches and returns
 new ones (see `ModelCache`). Checkpoint name mapping lives in `spec_jax/checkpoint.py`; module
@@ -250,6 +251,22 @@ class Batch:
 
 def zeros_param(shape, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
+
+
+# Unroll the layer scan on the GPU: inside a rolled scan XLA copies each layer's weights out of
+# the stacked arrays before every matmul it does not fuse as a reduction (any M > 1 dot), which
+# was 0.73 ms of a 0.8B verify step's 2.39 ms (bench/step_profile.py, BENCHMARKS.md).
+UNROLL_LAYERS_ON_GPU = True
+
+
+def unroll_layers() -> bool:
+    """Whether `scan_layers` unrolls: on the GPU unless UNROLL_LAYERS_ON_GPU is turned off."""
+    return UNROLL_LAYERS_ON_GPU and jax.default_backend() == "gpu"
+
+
+def scan_layers(body, init, xs):
+    """`lax.scan(body, init, xs)` over stacked layers, unrolled where `unroll_layers()`."""
+    return jax.lax.scan(body, init, xs, unroll=unroll_layers())
 
 
 # A quantized Linear's scale and global-scale variables, named as the checkpoints carrying each
@@ -686,7 +703,7 @@ class Qwen3_5Model(nnx.Module):
 
         x = self.embed(tokens)
         groups = (jnp.arange(self.cfg.num_groups), stacked)
-        (x, cache, tapped), pending = jax.lax.scan(group, (x, cache, tuple(jnp.zeros_like(x) for _ in taps)), groups)
+        (x, cache, tapped), pending = scan_layers(group, (x, cache, tuple(jnp.zeros_like(x) for _ in taps)), groups)
         hidden = self.norm(x)
         if taps:
             hidden = TargetOut(hidden, jnp.concatenate(tapped, axis=-1))
