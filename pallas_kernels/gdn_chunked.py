@@ -6,12 +6,16 @@ and updates the state with matrix products. Chunks are then scanned in order. Th
 equals `gdn_recurrent` token for token (up to float32 rounding).
 
 `gdn_chunked` is the dispatcher the model calls. `gdn_chunked_pallas` is the Pallas (Triton)
-version in two launches, split as flash-linear-attention splits it: a chunk-parallel kernel
-inverts each chunk's (I + A) by forward substitution (the only work that is not a matmul; rows
-are picked with masks since Triton has no scratch memory) and forms U and W; then one program
-per (row, value head, block of BV value columns) walks the chunks in order with its [dk, BV]
-state in float32 registers, each chunk five dots. (A first version did the solve inside the
-sequential walk and ran 46x slower than XLA: BENCHMARKS.md.)
+version in three launches, split as flash-linear-attention splits the work:
+  1. chunk-parallel WY: invert each chunk's (I + A) in 16-row blocks (forward substitution on the
+     diagonal blocks, rows picked with masks since Triton cannot index values; block substitution
+     by matmuls below them) and form U, W and the keys decayed to the chunk's end;
+  2. sequential state walk: one program per (row, value head, block of BV value columns) carries
+     its [dk, BV] state in float32 registers across the chunks, two dots a chunk, and writes the
+     state each chunk starts from and the chunk's corrected values v_new;
+  3. chunk-parallel outputs from those.
+Dot operands are float32 or, on the GPU's fast path, bfloat16 (float32 accumulation either way).
+Earlier versions, and why they were slower, are in BENCHMARKS.md.
 """
 
 import functools
