@@ -92,9 +92,9 @@ def tilings(fmt: str, M: int) -> list[Tiling]:
     return [Tiling(*s) for s in shapes]
 
 
-def quant_cases(rng, ceiling, rows_tried=(1, 8, 64)):
-    """Every format at the 27B MLP shape (N = 17408, K = 5120), M = 1, 8, 64 rows."""
-    N, K = 17408, 5120
+def quant_cases(rng, ceiling, rows_tried=(1, 8, 64), shape=(17408, 5120)):
+    """Every format on a weight [N, K] (default: the 27B MLP shape) at each row count in rows_tried."""
+    N, K = shape
     w = jnp.asarray(rng.normal(size=(N, K)) * K ** -0.5, jnp.float32)
     w_bf16 = w.astype(jnp.bfloat16)
     w_fp8 = w.astype(jnp.float8_e4m3fn)
@@ -225,6 +225,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["gdn", "quant", "chunked"], default=None)
     ap.add_argument("--tokens", type=int, nargs="+", default=[130, 4096, 16384], help="chunked prefill lengths")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64], help="quantized matmul activation rows")
+    ap.add_argument("--shape", type=int, nargs=2, default=[17408, 5120], metavar=("N", "K"),
+                    help="quantized matmul weight shape (e.g. 3584 1024, a 0.8B MLP projection)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
@@ -233,7 +235,7 @@ def main() -> None:
     if args.only in (None, "quant"):
         ceiling = hbm_ceiling_GB_s()
         print(json.dumps({"hbm_ceiling_GB_s": ceiling}), flush=True)
-        rows += quant_cases(rng, ceiling, args.rows)
+        rows += quant_cases(rng, ceiling, args.rows, tuple(args.shape))
     for nv in (16, 32, 48) if args.only in (None, "gdn") else ():
         for B in (1, 8):
             for T, keep in ((1, False), (2, True), (4, True), (4, False)):
