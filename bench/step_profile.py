@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.profiler import ProfileData
 
 from bench.plain_decode import GEOMETRIES, RolledLayers, layer_scan
-from bench.verify_cost import build_model, make_forward
+from bench.verify_cost import build_model, make_forward, timed
 from models.qwen3_5 import init_cache
 
 TOP = 25
@@ -167,15 +167,6 @@ def trace_calls(fn, args: tuple, calls: int) -> tuple[list[Event], dict, float]:
     return events, source, wall_ms
 
 
-def untraced_ms(fn, args: tuple, calls: int) -> float:
-    """Mean wall time per call (ms) over back-to-back calls, profiler off."""
-    t = time.perf_counter()
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return 1e3 * (time.perf_counter() - t) / calls
-
-
 def busy_ns(events: list[Event]) -> float:
     """Length of the union of the events' intervals."""
     total, end = 0.0, float("-inf")
@@ -220,8 +211,7 @@ def profile_pass(forward, params, cache, start, B: int, T: int, rollback, calls:
 
     fn = jax.jit(step)
     args = (params, jnp.ones((B, T), jnp.int32), start, cache)
-    jax.block_until_ready(fn(*args))
-    wall_ms = untraced_ms(fn, args, calls)
+    wall_ms = timed(fn, *args, reps=calls)  # compiles and warms up first
     events, source, traced_ms = trace_calls(fn, args, calls)
     return {"wall_ms_per_call": wall_ms, "traced_wall_ms_per_call": traced_ms, "source": source,
             **summarize(events, calls)}

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.qwen3_5 import (FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, cached_attention, scan_layers,
-                             check_head_groups, zeros_param)
+from models.qwen3_5 import (FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, cached_attention,
+                             check_head_groups, scan_layers, zeros_param)
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 

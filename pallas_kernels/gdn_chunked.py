@@ -2,8 +2,9 @@
 
 Within a chunk of C tokens with cumulative log-decay G_i = sum_{j<=i} g_j, the C sequential
 delta-rule writes collapse into one unit-lower-triangular solve, after which the chunk reads
-and updates the state with matrix products. Chunks are then scanned in order. The result
-equals `gdn_recurrent` token for token (up to float32 rounding).
+and updates the state with matrix products. Chunks are then scanned in order. The reference
+equals `gdn_recurrent` token for token up to float32 rounding (the kernels too with float32
+operands; bfloat16 operands round to ~4e-3).
 
 `gdn_chunked` is the dispatcher the model calls. `gdn_chunked_pallas` is the Pallas (Triton)
 version in three launches, split as flash-linear-attention splits the work:
@@ -26,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.gdn_common import L2_EPS, prepare_qk
+from pallas_kernels.gdn_recurrent import next_pow2
 
 CHUNK = 64
 SUB = 16  # block size of the WY kernel's blocked triangular inverse (Triton's smallest dot)
@@ -190,7 +192,8 @@ def _output_kernel(q_ref, k_ref, G_ref, h_ref, v_new_ref, o_ref, *, dt, precisio
 def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v: int = 64,
                        state_stages: int = 2, interpret: bool = False):
     """The Pallas kernels; same arguments and results as `gdn_chunked_reference`. dk, dv and
-    block_v must be powers of two, >= 16 (block_v is capped at dv).
+    block_v must be powers of two, >= 16 (block_v is capped at dv). state_stages is Triton's
+    software-pipelining depth for the sequential kernel's loads (2 measured fastest).
 
     `operands` is the dtype the dots read (accumulation is always float32): float32 (TF32x3 on
     the GPU, exact in interpret mode) or bfloat16 (flash-linear-attention's choice, which also
@@ -203,6 +206,8 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v
     r, Tp = nv // nk, -(-T // CHUNK) * CHUNK
     n = Tp // CHUNK
     block_v = min(block_v, dv)
+    if dv % block_v:  # a partial last block of value columns would be left unwritten
+        raise ValueError(f"block_v={block_v} must divide the value head dim {dv}")
     dt = jnp.dtype(operands)
     precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     kw = dict(dt=dt, precision=precision)
@@ -228,17 +233,17 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v
     )(k, v, G, beta)
 
     # sequential grid (row * value head, block of value columns)
-    whole = lambda cols, d: pl.BlockSpec(
-        (None, None, Tp, cols), lambda bh, iv: (bh // nv, bh % nv, 0, iv if cols != d else 0))
+    all_tokens = lambda d: pl.BlockSpec((None, None, Tp, d), lambda bh, iv: (bh // nv, bh % nv, 0, 0))
+    value_cols = pl.BlockSpec((None, None, Tp, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
     by_state = pl.BlockSpec((None, None, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
     h, v_new, final = pl.pallas_call(
         functools.partial(_state_kernel, chunk=CHUNK, **kw),
         out_shape=[jax.ShapeDtypeStruct((B, nv, n, dk, dv), dt), inter(dv), jax.ShapeDtypeStruct(state.shape, jnp.float32)],
         grid=(B * nv, dv // block_v),
-        in_specs=[whole(block_v, dv), whole(dk, dk), whole(dk, dk),
+        in_specs=[value_cols, all_tokens(dk), all_tokens(dk),
                   pl.BlockSpec((None, None, Tp), lambda bh, iv: (bh // nv, bh % nv, 0)), by_state],
         out_specs=[pl.BlockSpec((None, None, n, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, 0, iv)),
-                   whole(block_v, dv), by_state],
+                   value_cols, by_state],
         compiler_params=params(state_stages), interpret=interpret, name="gdn_chunked_state",
     )(u, w, kd, G, state.astype(jnp.float32))
 
@@ -256,14 +261,16 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v
 
 def kernel_fits(q, v) -> bool:
     """Shapes the Triton kernels take: dk and dv powers of two, at least 16 (Triton's smallest dot)."""
-    return all(d == 1 << (d.bit_length() - 1) and d >= 16 for d in (q.shape[-1], v.shape[-1]))
+    return all(d == next_pow2(d) and d >= 16 for d in (q.shape[-1], v.shape[-1]))
 
 
 def gdn_chunked(q, k, v, g, beta, state):
     """Dispatcher for the chunked gated delta rule (see `gdn_chunked_reference`): on a GPU the
-    Pallas kernels with bfloat16 dot operands, as flash-linear-attention runs it (measured 6x
-    faster than XLA's reference and 1.6x faster than FLA at 4k tokens, 3.7e-3 relative to the
-    float32 reference; BENCHMARKS.md); the reference elsewhere."""
+    Pallas kernels, the reference elsewhere. A bfloat16 model's dots read bfloat16 operands, as
+    flash-linear-attention's do (at 4k tokens 6x faster than XLA's reference and 1.6x faster
+    than FLA, 3.7e-3 relative to the reference; BENCHMARKS.md); a float32 model keeps float32
+    operands (TF32x3)."""
     if jax.default_backend() == "gpu" and kernel_fits(q, v):
-        return gdn_chunked_pallas(q, k, v, g, beta, state, operands=jnp.bfloat16)
+        operands = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+        return gdn_chunked_pallas(q, k, v, g, beta, state, operands=operands)
     return gdn_chunked_reference(q, k, v, g, beta, state)

@@ -93,3 +93,10 @@ def test_chunked_kernel_shapes_the_dispatcher_sends_it():
     fits = lambda dk, dv: kernel_fits(jnp.zeros((1, 64, 2, dk)), jnp.zeros((1, 64, 4, dv)))
     assert fits(128, 128) and fits(16, 32)
     assert not fits(16, 24) and not fits(8, 32) and not fits(96, 128)
+
+
+def test_chunked_kernel_refuses_value_blocks_that_do_not_divide_dv():
+    from pallas_kernels.gdn_chunked import gdn_chunked_pallas
+
+    with pytest.raises(ValueError, match="block_v=16 must divide the value head dim 24"):
+        gdn_chunked_pallas(*inputs(64, B=1, nk=1, nv=2, dk=16, dv=24), block_v=16, interpret=True)
