@@ -28,6 +28,11 @@ from pallas_kernels.quant_matmul import FORMATS, Tiling, quant_matmul_pallas, qu
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 
 
+def max_rel_error(got, want) -> float:
+    """The largest relative (norm) error over paired arrays."""
+    return max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(got, want))
+
+
 def loop_time_us(step, carry, reps: int = 200) -> float:
     """Mean time of `step` over `reps` iterations of one jitted fori_loop (carry threads through)."""
     run = jax.jit(lambda c: jax.lax.fori_loop(0, reps, lambda i, c: step(c), c))
@@ -46,7 +51,6 @@ def gdn_case(B, T, nv, keep, rng):
     s0 = f(B, nv, d, d, dt=jnp.float32)
     got = gdn_recurrent_pallas(q, k, v, g, beta, s0, keep_states=keep)
     want = gdn_recurrent_reference(q, k, v, g, beta, s0, keep_states=keep)
-    errs = [float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(got, want)]
 
     def stepper(fn):
         return lambda s: fn(q, k, v, g, beta, s, keep_states=keep)[1]
@@ -55,7 +59,7 @@ def gdn_case(B, T, nv, keep, rng):
     t_xla = loop_time_us(stepper(gdn_recurrent_reference), s0)
     state_bytes = B * nv * d * d * 4
     nbytes = 2 * state_bytes + (T * state_bytes if keep else 0) + q.nbytes + k.nbytes + v.nbytes + B * T * nv * d * 4
-    return {"op": "gdn_recurrent", "B": B, "T": T, "nv": nv, "keep_states": keep, "max_rel_err": max(errs),
+    return {"op": "gdn_recurrent", "B": B, "T": T, "nv": nv, "keep_states": keep, "max_rel_err": max_rel_error(got, want),
             "kernel_us": t_kernel, "xla_us": t_xla, "speedup_vs_xla": t_xla / t_kernel,
             "kernel_GB_s": nbytes / t_kernel / 1e3}
 
@@ -92,8 +96,8 @@ def tilings(fmt: str, M: int) -> list[Tiling]:
     return [Tiling(*s) for s in shapes]
 
 
-def quant_cases(rng, ceiling, rows_tried=(1, 8, 64), shape=(17408, 5120)):
-    """Every format on a weight [N, K] (default: the 27B MLP shape) at each row count in rows_tried."""
+def quant_cases(rng, ceiling, rows_tried, shape):
+    """Every format on a weight shape [N, K] at each row count in rows_tried."""
     N, K = shape
     w = jnp.asarray(rng.normal(size=(N, K)) * K ** -0.5, jnp.float32)
     w_bf16 = w.astype(jnp.bfloat16)
@@ -116,7 +120,7 @@ def quant_cases(rng, ceiling, rows_tried=(1, 8, 64), shape=(17408, 5120)):
                 try:
                     f = functools.partial(quant_matmul_pallas, w=qw, tiling=tiling)
                     got = f(x)
-                    err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+                    err = max_rel_error([got.astype(jnp.float32)], [want])
                     us = matmul_time_us(f, x)
                 except Exception as e:  # a Triton limit: report it, try the next tile
                     print(json.dumps({"op": fmt, "M": M, "tiling": str(tiling), "error": str(e)[:200]}), flush=True)
@@ -170,9 +174,10 @@ CHUNKED_VARIANTS = {  # name: gdn_chunked_pallas keywords
     "f32_bv64_s1": dict(operands=jnp.float32, block_v=64, state_stages=1),
     "bf16_bv64_s1": dict(operands=jnp.bfloat16, block_v=64, state_stages=1),
     "bf16_bv32_s1": dict(operands=jnp.bfloat16, block_v=32, state_stages=1),
-    "bf16_bv64_s2": dict(operands=jnp.bfloat16, block_v=64, state_stages=2),  # the dispatcher's
+    "bf16_bv64_s2": dict(operands=jnp.bfloat16, block_v=64, state_stages=2),
     "bf16_bv32_s3": dict(operands=jnp.bfloat16, block_v=32, state_stages=3),
 }
+DISPATCHED_VARIANT = "bf16_bv64_s2"  # what gdn_chunked runs for a bf16 model on the GPU
 
 
 def call_time_us(fn, args: tuple, reps: int = 20) -> float:
@@ -182,11 +187,11 @@ def call_time_us(fn, args: tuple, reps: int = 20) -> float:
     return 1e3 * timed(jax.jit(fn), *args, reps=reps)
 
 
-def chunked_cases(rng, tokens=(130, 4096, 16384)):
+def chunked_cases(rng, tokens):
     """Chunked GDN prefill at the 27B GDN shape (16 key / 48 value heads, 128 dims) for each length,
     against XLA's reference and flash-linear-attention; errors are relative to XLA's reference
-    (FLA's too). Timed as back-to-back jitted calls on argument
-    arrays: inside a loop on captured inputs XLA folds or hoists the input-only work."""
+    (FLA's too). Timed as back-to-back jitted calls on argument arrays: inside a loop on captured
+    inputs XLA folds or hoists the input-only work."""
     rows = []
     for T in tokens:  # 130: a ragged tail past two chunks, checked for correctness
         B, nk, nv, d = 1, 16, 48, 128
@@ -199,20 +204,19 @@ def chunked_cases(rng, tokens=(130, 4096, 16384)):
         row = {"op": "gdn_chunked", "T": T}
         want = jax.jit(gdn_chunked_reference)(*args)
         row["xla_us"] = call_time_us(gdn_chunked_reference, args)
-        error = lambda got: max(float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) for a, b in zip(got, want))
         for name, kw in CHUNKED_VARIANTS.items():
             fn = functools.partial(gdn_chunked_pallas, **kw)
             try:
-                row[f"rel_err_{name}"] = error(fn(*args))
+                row[f"rel_err_{name}"] = max_rel_error(fn(*args), want)
                 row[f"kernel_us_{name}"] = call_time_us(fn, args)
             except Exception as e:  # a Triton limit on one variant: report it, time the rest
                 row[f"error_{name}"] = str(e)[:300]
         fla, fla_out = fla_run(q, k, v, g, beta, s0)
         row.update(fla)
         if fla_out is not None:
-            row["rel_err_fla"] = error(fla_out)
-        row["kernels_us_dispatcher_config"] = kernel_breakdown(  # bf16 operands, BV 64, 2 stages
-            lambda: gdn_chunked_pallas(q, k, v, g, beta, s0, operands=jnp.bfloat16))
+            row["rel_err_fla"] = max_rel_error(fla_out, want)
+        dispatched = functools.partial(gdn_chunked_pallas, **CHUNKED_VARIANTS[DISPATCHED_VARIANT])
+        row[f"kernels_us_{DISPATCHED_VARIANT}"] = kernel_breakdown(lambda: dispatched(*args))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

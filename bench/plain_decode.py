@@ -102,7 +102,8 @@ def main() -> None:
             steps = args.new_tokens - 1
             step_s = m["decode_s"] / steps
             row = {"geometry": args.geometry, "batch": B, "dtype": args.dtype, "device": jax.devices()[0].device_kind,
-                   "layers": layer_scan(), "quantization": args.quantization, "prefill_ms": 1e3 * m["prefill_s"], "tpot_ms": 1e3 * step_s,
+                   "layers": layer_scan(), "quantization": args.quantization,
+                   "prefill_ms": 1e3 * m["prefill_s"], "tpot_ms": 1e3 * step_s,
                    "decode_tok_s": B * steps / m["decode_s"], "weight_GB_s": wbytes / step_s / 1e9,
                    "weight_bytes": wbytes, "first_run_s": compile_s}
             rows.append(row)
