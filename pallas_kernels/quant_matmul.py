@@ -9,9 +9,11 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
               scale float8_e4m3fn [N, K/16] (one per 16 values), global_scale float32 [].
 
 `quant_matmul` is the dispatcher: the Pallas (Triton) kernel on a GPU, dequantize-then-dot
-elsewhere. The kernel runs one program per block of BN output channels, loops over K in BK
-tiles, dequantizes each weight tile in registers to bf16 and accumulates in float32; activation
-rows are padded to 16 (Triton's smallest dot).
+elsewhere. The kernel runs one program per block of BN output channels (and per K range when K
+is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
+float32. A single activation row (decode at batch 1) is contracted by multiply-and-sum; more rows
+by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). At one row on the H200 this
+streams 82-91% of the measured HBM ceiling for int8 / fp8 / fp8 blocks (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -85,12 +87,15 @@ def quantize(w: jax.Array, fmt: str) -> QuantizedWeight:
 
 
 def decode_e2m1(codes: jax.Array) -> jax.Array:
-    """e2m1 codes (0..15, bit 3 = sign) -> float32 values {0, .5, 1, 1.5, 2, 3, 4, 6} with sign."""
+    """e2m1 codes (0..15, bit 3 = sign) -> float32 values {0, .5, 1, 1.5, 2, 3, 4, 6} with sign.
+
+    Built from bits, no arithmetic: magnitude (e, f) with e > 0 is 2^(e-1) (1 + f/2), whose
+    float32 bits are (e + 126) << 23 | f << 22 = (code << 22) + (126 << 23); e = 0 is 0 or 0.5.
+    """
     c = codes.astype(jnp.int32)
-    exponent, mantissa = (c >> 1) & 3, (c & 1).astype(jnp.float32)
-    normal = jnp.exp2((exponent - 1).astype(jnp.float32)) * (1.0 + 0.5 * mantissa)
-    magnitude = jnp.where(exponent == 0, 0.5 * mantissa, normal)
-    return jnp.where((c & 8) != 0, -magnitude, magnitude)
+    mag = c & 7
+    bits = jnp.where(mag >= 2, (mag << 22) + (126 << 23), jnp.where(mag == 1, 126 << 23, 0))
+    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
 
 
 def dequantize(w: QuantizedWeight) -> jax.Array:
@@ -115,42 +120,56 @@ def quant_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 # ----------------------------------------------------------------------------- Pallas kernel
 
 
-def _tile(w_ref, s_ref, g_ref, n0, k0, *, fmt: str, bn: int, bk: int) -> jax.Array:
-    """Dequantize weight tile [bn, bk] at (n0, k0) to bf16 (per-channel scales applied later)."""
+def _load_step(x_ref, x_odd_ref, w_ref, s_ref, n0, k0, *, fmt: str, bn: int, bk: int) -> tuple:
+    """One K step's operands as stored: activations [Mp, bk] (nvfp4: even and odd columns, each
+    [Mp, bk/2]) and the weight tile [bn, bk] still quantized, with its block scales if any."""
+    if fmt == "nvfp4":
+        half = pl.ds(k0 // 2, bk // 2)
+        return (x_ref[:, half], x_odd_ref[:, half], w_ref[pl.ds(n0, bn), half],
+                s_ref[pl.ds(n0, bn), pl.ds(k0 // GROUP, bk // GROUP)])
+    step = (x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(n0, bn), pl.ds(k0, bk)])
+    return step + (s_ref[n0 // BLOCK, k0 // BLOCK],) if fmt == "fp8_block" else step
+
+
+def _dequantized_pairs(step: tuple, g, *, fmt: str) -> list[tuple[jax.Array, jax.Array]]:
+    """(activations [Mp, k], float32 weight [bn, k]) pairs whose products sum to the step's share
+    of x W^T (per-channel scales are applied once, after the K loop)."""
     if fmt in ("int8", "fp8"):
-        return w_ref[pl.ds(n0, bn), pl.ds(k0, bk)].astype(jnp.float32).astype(jnp.bfloat16)
+        x, w = step
+        return [(x, w.astype(jnp.float32))]
     if fmt == "fp8_block":
-        scale = s_ref[n0 // BLOCK, k0 // BLOCK]
-        return (w_ref[pl.ds(n0, bn), pl.ds(k0, bk)].astype(jnp.float32) * scale).astype(jnp.bfloat16)
-    packed = w_ref[pl.ds(n0, bn), pl.ds(k0 // 2, bk // 2)]  # [bn, bk/2]
-    scales = s_ref[pl.ds(n0, bn), pl.ds(k0 // GROUP, bk // GROUP)].astype(jnp.float32) * g_ref[0]
-    scales = jnp.broadcast_to(scales[:, :, None], (bn, bk // GROUP, GROUP // 2)).reshape(bn, bk // 2)
-    lo = decode_e2m1(packed & 15) * scales  # even columns
-    hi = decode_e2m1(packed >> 4) * scales  # odd columns
-    return lo.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)
+        x, w, scale = step
+        return [(x, w.astype(jnp.float32) * scale)]
+    x_even, x_odd, packed, scales = step
+    bn, half = packed.shape
+    scales = scales.astype(jnp.float32) * g
+    scales = jnp.broadcast_to(scales[:, :, None], (bn, half // (GROUP // 2), GROUP // 2)).reshape(bn, half)
+    return [(x_even, decode_e2m1(packed & 15) * scales), (x_odd, decode_e2m1(packed >> 4) * scales)]
+
+
+def _contract(acc: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
+    """acc [Mp, bn] + x [Mp, k] w[bn, k]^T: one row by float32 multiply-and-sum (a dot would pad
+    it to 16), more by a bf16 tensor-core dot."""
+    if x.shape[0] == 1:
+        return acc + jnp.sum(w * x.astype(jnp.float32), axis=1)[None, :]
+    return acc + jnp.dot(x, w.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32)
 
 
 def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bk: int, k_steps: int):
     """Program (i, j): output columns [i bn, (i + 1) bn) over the j-th of the split K ranges."""
     n0 = pl.program_id(0) * bn
     k_first = pl.program_id(1) * k_steps * bk
-    m = x_ref.shape[0]
 
     def body(i, acc):
-        k0 = k_first + i * bk
-        if fmt == "nvfp4":
-            lo, hi = _tile(w_ref, s_ref, g_ref, n0, k0, fmt=fmt, bn=bn, bk=bk)
-            x_even = x_ref[:, pl.ds(k0 // 2, bk // 2)]
-            x_odd = x_odd_ref[:, pl.ds(k0 // 2, bk // 2)]
-            acc += jnp.dot(x_even, lo.T, preferred_element_type=jnp.float32)
-            return acc + jnp.dot(x_odd, hi.T, preferred_element_type=jnp.float32)
-        tile = _tile(w_ref, s_ref, g_ref, n0, k0, fmt=fmt, bn=bn, bk=bk)
-        return acc + jnp.dot(x_ref[:, pl.ds(k0, bk)], tile.T, preferred_element_type=jnp.float32)
+        step = _load_step(x_ref, x_odd_ref, w_ref, s_ref, n0, k_first + i * bk, fmt=fmt, bn=bn, bk=bk)
+        for x, w in _dequantized_pairs(step, g_ref[0], fmt=fmt):
+            acc = _contract(acc, x, w)
+        return acc
 
-    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((m, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
     if fmt in ("int8", "fp8"):
         acc = acc * s_ref[pl.ds(n0, bn)][None, :]
-    o_ref[...] = acc
+    o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def next_pow2(n: int) -> int:
@@ -160,13 +179,15 @@ def next_pow2(n: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """How the kernel cuts the work: block_n output columns per program, block_k of K per loop
-    step, K split over split_k programs (partial sums added after), Triton's warps and stages."""
+    step, K split over split_k programs (partial sums added after), Triton's warps and stages; with gemv, a single activation row is contracted by
+    multiply-and-sum instead of a tensor-core dot on rows padded to 16."""
 
     block_n: int = 64
     block_k: int = 128
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False
 
     def fits(self, w: "QuantizedWeight") -> bool:
         N, K = w.shape
@@ -185,19 +206,20 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     t = tiling
     if not t.fits(w):  # a tile past the edge would read and write out of bounds, silently
         raise ValueError(f"tiling {t} does not divide a [{N}, {K}] weight (block_n | N, block_k * split_k | K)")
-    Mp = max(16, next_pow2(M))
+    Mp = 1 if M == 1 and t.gemv else max(16, next_pow2(M))
     xb = jnp.pad(x.astype(jnp.bfloat16), ((0, Mp - M), (0, 0)))
     if w.format == "nvfp4":
         x_main, x_odd = xb[:, 0::2], xb[:, 1::2]
     else:
-        x_main, x_odd = xb, xb[:, :1]
+        x_main, x_odd = xb, xb  # the odd-column operand is unused
     g = jnp.reshape(w.global_scale if w.global_scale is not None else jnp.ones(()), (1,)).astype(jnp.float32)
     scale = w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # a pointer to the whole array
     args = (x_main, x_odd, w.data, scale, g)
-    partial_sums = pl.pallas_call(
-        functools.partial(_kernel, fmt=w.format, bn=t.block_n, bk=t.block_k, k_steps=K // (t.block_k * t.split_k)),
-        out_shape=jax.ShapeDtypeStruct((t.split_k, Mp, N), jnp.float32),
+    kernel = functools.partial(_kernel, fmt=w.format, bn=t.block_n, bk=t.block_k, k_steps=K // (t.block_k * t.split_k))
+    out = pl.pallas_call(
+        kernel,  # one K range writes the output in x's dtype; split K writes float32 partial sums
+        out_shape=jax.ShapeDtypeStruct((t.split_k, Mp, N), x.dtype if t.split_k == 1 else jnp.float32),
         grid=(N // t.block_n, t.split_k),
         in_specs=[whole(a) for a in args],
         out_specs=pl.BlockSpec((None, Mp, t.block_n), lambda i, j: (j, 0, i)),
@@ -205,24 +227,28 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
         interpret=interpret,
         name=f"quant_matmul_{w.format}",
     )(*args)
-    return jnp.sum(partial_sums[:, :M], axis=0).astype(x.dtype)
+    return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# The fastest tiling per format at M <= 8 on the H200 (27B MLP matrix, BENCHMARKS.md).
+# The fastest tilings per format on the H200 (27B MLP matrix [17408, 5120], BENCHMARKS.md): for one
+# activation row (decode at batch 1; a multiply-and-sum GEMV except NVFP4, whose dot was faster)
+# and for 2 to 64 rows.
 MEASURED_TILINGS = {
-    "int8": Tiling(64, 256, 1, 4, 3),
-    "fp8": Tiling(64, 256, 1, 4, 3),
-    "fp8_block": Tiling(64, 128, 4, 4, 4),
-    "nvfp4": Tiling(32, 128, 4, 4, 3),
+    "int8": (Tiling(16, 512, 5, 4, 3, gemv=True), Tiling(64, 256, 1, 4, 3)),
+    "fp8": (Tiling(16, 512, 5, 4, 3, gemv=True), Tiling(64, 256, 1, 4, 3)),
+    "fp8_block": (Tiling(32, 128, 8, 4, 3, gemv=True), Tiling(64, 128, 4, 4, 4)),
+    "nvfp4": (Tiling(64, 128, 4, 4, 3), Tiling(32, 128, 4, 4, 3)),
 }
+GEMV_FALLBACK = Tiling(16, 256, 4, 4, 3, gemv=True)  # one row, where the measured tiling does not divide
 
 
 def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
-    """The measured tiling for w's format if it fits the shape, else the default one, else None
-    (more than 64 rows, or a shape no tiling divides)."""
+    """The measured tiling for w's format and x's row count if it divides the shape, else a default
+    that does, else None (more than 64 rows, or a shape no tiling divides)."""
     if x.shape[0] > 64:
         return None
-    for tiling in (MEASURED_TILINGS[w.format], Tiling()):
+    one_row, many_rows = MEASURED_TILINGS[w.format]
+    for tiling in (one_row, GEMV_FALLBACK, Tiling()) if x.shape[0] == 1 else (many_rows, Tiling()):
         if tiling.fits(w):
             return tiling
     return None

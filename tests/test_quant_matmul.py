@@ -10,6 +10,8 @@ import pytest
 
 from pallas_kernels.quant_matmul import (
     FORMATS,
+    GEMV_FALLBACK,
+    MEASURED_TILINGS,
     QuantizedWeight,
     decode_e2m1,
     dequantize,
@@ -58,12 +60,13 @@ def test_quantization_error_is_what_the_format_allows(fmt, tol):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("M", [1, 3, 16])
-def test_kernel_matches_dequantize_then_dot(fmt, M):
+@pytest.mark.parametrize("M, gemv", [(1, False), (1, True), (3, True), (16, False)])
+def test_kernel_matches_dequantize_then_dot(fmt, M, gemv):
+    """gemv: one row by multiply-and-sum; more rows (or gemv off) by the dot on rows padded to 16."""
     rng = np.random.default_rng(M)
     w = quantize(rng.normal(size=(N, K)).astype(np.float32), fmt)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    got = quant_matmul_pallas(x, w, interpret=True)
+    got = quant_matmul_pallas(x, w, tiling=Tiling(gemv=gemv), interpret=True)
     want = quant_matmul_reference(x.astype(jnp.float32), w)
     assert got.shape == (M, N) and got.dtype == jnp.bfloat16
     assert rel(got, want) < 2e-3 * 4  # bf16 output rounding plus bf16 dequantized tiles
@@ -85,6 +88,15 @@ def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
     assert pick_tiling(x, w) == Tiling()  # K = 256 cannot be split 4 ways into 128-wide steps
     assert pick_tiling(jnp.zeros((65, K), jnp.bfloat16), w) is None
     assert pick_tiling(x, quantize(np.ones((48, K), np.float32), "int8")) is None  # 48 columns: no block divides
+
+
+def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
+    w = quantize(np.ones((N, 2560), np.float32), "int8")
+    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == MEASURED_TILINGS["int8"][0]
+    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w).gemv
+    assert pick_tiling(jnp.zeros((2, 2560), jnp.bfloat16), w) == MEASURED_TILINGS["int8"][1]
+    w = quantize(np.ones((N, 1024), np.float32), "int8")  # K = 1024 (a 0.8B projection): the GEMV fallback
+    assert pick_tiling(jnp.zeros((1, 1024), jnp.bfloat16), w) == GEMV_FALLBACK
 
 
 def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
