@@ -107,7 +107,8 @@ def with_self_times(raw: list[tuple[str, str, float, float]]) -> list[Event]:
     self_ns = [d for *_, d in raw]
     stack: list[int] = []
     for i, (_, _, start, dur) in enumerate(raw):
-        while stack and raw[stack[-1]][2] + raw[stack[-1]][3] <= start:
+        # nested only when wholly inside: back-to-back kernels' timestamps can overlap by a few ns
+        while stack and raw[stack[-1]][2] + raw[stack[-1]][3] < start + dur:
             stack.pop()
         if stack:
             self_ns[stack[-1]] -= dur

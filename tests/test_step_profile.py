@@ -1,0 +1,19 @@
+"""The profiler summary's self times: nested events are subtracted from their parent, back-to-back
+kernels whose timestamps overlap by a few ns are not."""
+
+from bench.step_profile import with_self_times
+
+
+def self_times(raw):
+    return {e.name: e.self_ns for e in with_self_times(raw)}
+
+
+def test_back_to_back_kernels_keep_their_whole_durations():
+    # the second kernel's start is stamped 3 ns before the first one's end
+    raw = [("solve", "", 0.0, 250_000.0), ("wy", "", 249_997.0, 85_000.0), ("state", "", 334_990.0, 170_000.0)]
+    assert self_times(raw) == {"solve": 250_000.0, "wy": 85_000.0, "state": 170_000.0}
+
+
+def test_an_event_inside_another_is_subtracted_from_it():
+    raw = [("thunk", "", 0.0, 100.0), ("kernel", "", 10.0, 60.0), ("next", "", 100.0, 5.0)]
+    assert self_times(raw) == {"thunk": 40.0, "kernel": 60.0, "next": 5.0}
