@@ -116,19 +116,24 @@ def _last(x):
     return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) == x.shape[0] - 1, x, 0.0))
 
 
-def _invert_unit_lower(A):
-    """(I + A)^-1 for strictly lower A [S, S], by forward substitution over rows: X_i = e_i - A_i X.
-    Rows are selected with masks because Triton has no dynamic indexing of values."""
-    S = A.shape[0]
+def _invert_unit_lower(blocks):
+    """(I + A)^-1 for each strictly lower A [S, S] in blocks, by forward substitution over rows:
+    X_i = e_i - A_i X. The blocks share one loop so that their independent dependency chains
+    overlap; rows are selected with masks because Triton has no dynamic indexing of values."""
+    S = blocks[0].shape[0]
     rows = jax.lax.broadcasted_iota(jnp.int32, (S, S), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (S, S), 1)
+    unit_row = lambda i: jnp.where(jax.lax.broadcasted_iota(jnp.int32, (S,), 0) == i, 1.0, 0.0)
 
-    def row(i, x):
-        a_i = jnp.sum(jnp.where(rows == i, A, 0.0), axis=0)  # A[i, :], zero at and above i
-        x_i = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (S,), 0) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * x, axis=0)
-        return jnp.where(rows == i, x_i[None, :], x)
+    def row(i, xs):
+        new = []
+        for A, x in zip(blocks, xs):
+            a_i = jnp.sum(jnp.where(rows == i, A, 0.0), axis=0)  # A[i, :], zero at and above i
+            new.append(jnp.where(rows == i, (unit_row(i) - jnp.sum(a_i[:, None] * x, axis=0))[None, :], x))
+        return tuple(new)
 
-    return jax.lax.fori_loop(1, S, row, (rows == cols).astype(jnp.float32))
+    identity = (rows == cols).astype(jnp.float32)
+    return jax.lax.fori_loop(1, S, row, tuple(identity for _ in blocks))
 
 
 def _wy_kernel(k_ref, v_ref, G_ref, beta_ref, u_ref, w_ref, kd_ref, *, dt, precision):
@@ -136,8 +141,9 @@ def _wy_kernel(k_ref, v_ref, G_ref, beta_ref, u_ref, w_ref, kd_ref, *, dt, preci
     beta k k^T decay of the chunk: U = (I + A)^-1 beta v [C, dv], W = (I + A)^-1 beta exp(G) k
     [C, dk], and the keys decayed to the chunk's end, k exp(G_last - G) [C, dk].
 
-    (I + A) is inverted by blocks of SUB rows, as flash-linear-attention does: each diagonal
-    block by forward substitution, the blocks below it by block forward substitution (matmuls).
+    (I + A) is inverted by blocks of SUB rows, as flash-linear-attention does: the diagonal
+    blocks by forward substitution in one shared loop, the blocks below them by block forward
+    substitution (matmuls).
     """
     nb = k_ref.shape[0] // SUB
     rows = lambda ref, a: ref[pl.ds(a * SUB, SUB)] if len(ref.shape) == 1 else ref[pl.ds(a * SUB, SUB), :]
@@ -147,9 +153,8 @@ def _wy_kernel(k_ref, v_ref, G_ref, beta_ref, u_ref, w_ref, kd_ref, *, dt, preci
     f32 = functools.partial(_dot, dt=jnp.float32, precision=precision)
     A = {(a, c): beta[a][:, None] * _dot(k[a], k[c].T, dt, precision) * _decay(G[a], G[c], a == c, strict=True)
          for a in range(nb) for c in range(a + 1)}
-    X = {}
+    X = dict(zip(((a, a) for a in range(nb)), _invert_unit_lower([A[a, a] for a in range(nb)])))
     for a in range(nb):
-        X[a, a] = _invert_unit_lower(A[a, a])
         for c in range(a):  # X_ac = -X_aa sum_{c <= m < a} A_am X_mc
             X[a, c] = -f32(X[a, a], sum(f32(A[a, m], X[m, c]) for m in range(c, a)))
     G_last = _last(G[-1])
