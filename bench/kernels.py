@@ -1,7 +1,9 @@
 """Pallas kernels on the GPU: compile, check against the pure-JAX reference on random data, and
-time against XLA's version of the same op, each inside one jitted fori_loop.
+time against XLA's version of the same op: inside one jitted fori_loop or as back-to-back jitted
+calls, and (quantized matmuls, chunked prefill) as GPU time from a profiler trace, which is what
+the comparisons with XLA's dots and flash-linear-attention's kernels use.
 
-    python bench/kernels.py --json out.jsonl
+    python -m bench.kernels [--only gdn|quant|chunked] --json out.jsonl
 
 GDN recurrent (decode T = 1, verify T = k + 1 with every state kept) at Qwen3.5 head layouts
 (16 key heads; 16 / 32 / 48 value heads; dk = dv = 128). Bytes counted: q, k, v, gates read once,
@@ -100,11 +102,16 @@ def tilings(fmt: str, M: int) -> list[Tiling]:
     return [Tiling(*s) for s in shapes] + ([Tiling(*s, gemv=True) for s in gemv] if M == 1 else [])
 
 
-def device_us(fn, *args) -> tuple[float, dict]:
-    """GPU time per call of jit(fn)(*args), every kernel summed (profiler trace), and the kernels."""
+def device_us(fn, *args, calls: int = 10) -> tuple[float, dict]:
+    """GPU time per call of jit(fn)(*args) from a profiler trace: the union of its kernels'
+    intervals (µs), and each kernel's own time (µs)."""
+    from bench.step_profile import busy_ns, summarize, trace_calls
+
     f = jax.jit(fn)
-    kernels = kernel_breakdown(lambda: f(*args), calls=10)
-    return sum(kernels.values()), kernels
+    jax.block_until_ready(f(*args))
+    events, _, _ = trace_calls(f, args, calls)
+    kernels = {k["name"][:60]: round(k["us_per_call"], 1) for k in summarize(events, calls)["kernels"][:8]}
+    return busy_ns(events) / calls / 1e3, kernels
 
 
 def quant_cases(rng, ceiling, rows_tried, shape):
@@ -156,15 +163,6 @@ def quant_cases(rng, ceiling, rows_tried, shape):
     return rows
 
 
-def kernel_breakdown(fn, calls: int = 3) -> dict:
-    """Device µs per call of each kernel fn() launches (profiler trace; bench/step_profile.py)."""
-    from bench.step_profile import summarize, trace_calls
-
-    jax.block_until_ready(fn())
-    events, _, _ = trace_calls(fn, (), calls)
-    return {k["name"][:60]: round(k["us_per_call"], 1) for k in summarize(events, calls)["kernels"][:8]}
-
-
 def fla_run(q, k, v, g, beta, s0):
     """flash-linear-attention's Triton chunked kernel on the same data (torch): its outputs as
     numpy and its time (µs), or why it could not run."""
@@ -184,9 +182,27 @@ def fla_run(q, k, v, g, beta, s0):
     try:
         o, s = run()
         outputs = (jnp.asarray(o.float().cpu().numpy()), jnp.asarray(s.float().cpu().numpy()))
-        return {"fla_us": 1e3 * triton.testing.do_bench(run, return_mode="median")}, outputs
+        timing = {"fla_us": 1e3 * triton.testing.do_bench(run, return_mode="median")}
     except Exception as e:  # GVA layouts or API differences: report, do not guess
         return {"fla_error": str(e)[:300]}, None
+    return timing | torch_gpu_time(run), outputs
+
+
+def torch_gpu_time(run, calls: int = 5) -> dict:
+    """GPU time per call of run() from torch's profiler: its CUDA kernels' times summed (µs), and
+    each kernel's. Excludes the host's launch overhead, which do_bench's median includes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        if e.device_time_total:
+            kernels[e.key[:60]] = round(e.device_time_total / calls, 1)
+    return {"fla_gpu_us": sum(kernels.values()), "fla_kernels_us": kernels}
 
 
 CHUNKED_VARIANTS = {  # name: gdn_chunked_pallas keywords
@@ -206,20 +222,24 @@ def call_time_us(fn, args: tuple, reps: int = 20) -> float:
     return 1e3 * timed(jax.jit(fn), *args, reps=reps)
 
 
+def chunked_args(rng, T: int) -> tuple:
+    """(q, k, v, g, beta, state) for one row at the 27B GDN shape (16 key / 48 value heads, 128 dims)."""
+    B, nk, nv, d = 1, 16, 48, 128
+    f = lambda *s, dt=jnp.bfloat16: jnp.asarray(rng.normal(size=s), dt)
+    g = -jnp.asarray(rng.uniform(0, 1, (B, T, nv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(size=(B, T, nv)), jnp.float32)
+    return f(B, T, nk, d), f(B, T, nk, d), f(B, T, nv, d), g, beta, f(B, nv, d, d, dt=jnp.float32)
+
+
 def chunked_cases(rng, tokens):
-    """Chunked GDN prefill at the 27B GDN shape (16 key / 48 value heads, 128 dims) for each length,
-    against XLA's reference and flash-linear-attention; errors are relative to XLA's reference
-    (FLA's too). Timed as back-to-back jitted calls on argument arrays: inside a loop on captured
-    inputs XLA folds or hoists the input-only work."""
-    rows = []
-    for T in tokens:  # 130: a ragged tail past two chunks, checked for correctness
-        B, nk, nv, d = 1, 16, 48, 128
-        f = lambda *s, dt=jnp.bfloat16: jnp.asarray(rng.normal(size=s), dt)
-        q, k, v = f(B, T, nk, d), f(B, T, nk, d), f(B, T, nv, d)
-        g = -jnp.asarray(rng.uniform(0, 1, (B, T, nv)), jnp.float32)
-        beta = jnp.asarray(rng.uniform(size=(B, T, nv)), jnp.float32)
-        s0 = f(B, nv, d, d, dt=jnp.float32)
-        args = (q, k, v, g, beta, s0)
+    """Chunked GDN prefill for each length against XLA's reference and flash-linear-attention;
+    errors are relative to XLA's reference (FLA's too). Wall times are back-to-back jitted calls
+    on argument arrays (inside a loop on captured inputs XLA folds the input-only work); GPU times
+    come from profiler traces, JAX's for ours and torch's for FLA. FLA runs after every JAX trace:
+    once torch's profiler has held CUPTI, JAX's traces come back empty."""
+    rows, cases = [], [(T, chunked_args(rng, T)) for T in tokens]  # 130: a ragged tail past two chunks
+    dispatched = functools.partial(gdn_chunked_pallas, **CHUNKED_VARIANTS[DISPATCHED_VARIANT])
+    for T, args in cases:
         row = {"op": "gdn_chunked", "T": T}
         want = jax.jit(gdn_chunked_reference)(*args)
         row["xla_us"] = call_time_us(gdn_chunked_reference, args)
@@ -230,14 +250,16 @@ def chunked_cases(rng, tokens):
                 row[f"kernel_us_{name}"] = call_time_us(fn, args)
             except Exception as e:  # a Triton limit on one variant: report it, time the rest
                 row[f"error_{name}"] = str(e)[:300]
-        fla, fla_out = fla_run(q, k, v, g, beta, s0)
-        row.update(fla)
-        if fla_out is not None:
-            row["rel_err_fla"] = max_rel_error(fla_out, want)
-        dispatched = functools.partial(gdn_chunked_pallas, **CHUNKED_VARIANTS[DISPATCHED_VARIANT])
-        row[f"kernels_us_{DISPATCHED_VARIANT}"] = kernel_breakdown(lambda: dispatched(*args))
+        row[f"gpu_us_{DISPATCHED_VARIANT}"], row[f"kernels_us_{DISPATCHED_VARIANT}"] = device_us(dispatched, *args, calls=5)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    for row, (T, args) in zip(rows, cases):
+        fla, fla_out = fla_run(*args)
+        row.update(fla)
+        if fla_out is not None:
+            row["rel_err_fla"] = max_rel_error(fla_out, jax.jit(gdn_chunked_reference)(*args))
+            row["fla_gpu_over_ours"] = row["fla_gpu_us"] / row[f"gpu_us_{DISPATCHED_VARIANT}"]
+        print(json.dumps({"op": "fla", "T": T, **fla}), flush=True)
     return rows
 
 
@@ -252,8 +274,6 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    if args.only in (None, "chunked"):
-        rows += chunked_cases(rng, args.tokens)
     if args.only in (None, "quant"):
         ceiling = hbm_ceiling_GB_s()
         print(json.dumps({"hbm_ceiling_GB_s": ceiling}), flush=True)
@@ -264,6 +284,8 @@ def main() -> None:
                 row = gdn_case(B, T, nv, keep, rng)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    if args.only in (None, "chunked"):  # last: FLA's torch profiler leaves JAX's traces empty
+        rows += chunked_cases(rng, args.tokens)
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
