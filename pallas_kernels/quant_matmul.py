@@ -13,7 +13,7 @@ elsewhere. The kernel runs one program per block of BN output channels (and per 
 is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
 float32. A single activation row (decode at batch 1) is contracted by multiply-and-sum; more rows
 by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). At one row on the H200 this
-streams 82-91% of the measured HBM ceiling for int8 / fp8 / fp8 blocks (BENCHMARKS.md).
+streams 78-88% of the measured HBM ceiling for int8 / fp8 / fp8 blocks (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -179,8 +179,9 @@ def next_pow2(n: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """How the kernel cuts the work: block_n output columns per program, block_k of K per loop
-    step, K split over split_k programs (partial sums added after), Triton's warps and stages; with gemv, a single activation row is contracted by
-    multiply-and-sum instead of a tensor-core dot on rows padded to 16."""
+    step, K split over split_k programs (partial sums added after), Triton's warps and stages;
+    with gemv, a single activation row is contracted by multiply-and-sum instead of a
+    tensor-core dot on rows padded to 16."""
 
     block_n: int = 64
     block_k: int = 128
@@ -190,8 +191,11 @@ class Tiling:
     gemv: bool = False
 
     def fits(self, w: "QuantizedWeight") -> bool:
+        """The tiles divide the weight; for fp8 blocks a tile also stays inside one 128 x 128
+        scale block (the kernel reads one scale per tile)."""
         N, K = w.shape
-        return N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0
+        inside_scale_block = w.format != "fp8_block" or (BLOCK % self.block_n == 0 and BLOCK % self.block_k == 0)
+        return N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0 and inside_scale_block
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
@@ -199,13 +203,14 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
                         interpret: bool = False) -> jax.Array:
     """The Pallas kernel; same contract as `quant_matmul_reference` for x [M, K] (M <= 64).
 
-    `tiling.fits(w)` must hold (fp8_block: block_n and block_k divide 128).
+    `tiling.fits(w)` must hold.
     """
     M, K = x.shape
     N = w.shape[0]
     t = tiling
     if not t.fits(w):  # a tile past the edge would read and write out of bounds, silently
-        raise ValueError(f"tiling {t} does not divide a [{N}, {K}] weight (block_n | N, block_k * split_k | K)")
+        raise ValueError(f"tiling {t} does not divide a [{N}, {K}] {w.format} weight (block_n | N, "
+                         f"block_k * split_k | K; fp8_block also block_n | 128 and block_k | 128)")
     Mp = 1 if M == 1 and t.gemv else max(16, next_pow2(M))
     xb = jnp.pad(x.astype(jnp.bfloat16), ((0, Mp - M), (0, 0)))
     if w.format == "nvfp4":
@@ -239,7 +244,7 @@ MEASURED_TILINGS = {
     "fp8_block": (Tiling(32, 128, 8, 4, 3, gemv=True), Tiling(64, 128, 4, 4, 4)),
     "nvfp4": (Tiling(64, 128, 4, 4, 3), Tiling(32, 128, 4, 4, 3)),
 }
-GEMV_FALLBACK = Tiling(16, 256, 4, 4, 3, gemv=True)  # one row, where the measured tiling does not divide
+GEMV_FALLBACK = Tiling(16, 128, 8, 4, 3, gemv=True)  # one row, where the measured tiling does not divide
 
 
 def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
@@ -248,7 +253,8 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
     if x.shape[0] > 64:
         return None
     one_row, many_rows = MEASURED_TILINGS[w.format]
-    for tiling in (one_row, GEMV_FALLBACK, Tiling()) if x.shape[0] == 1 else (many_rows, Tiling()):
+    gemv_fallback = () if w.format == "nvfp4" else (GEMV_FALLBACK,)  # NVFP4's GEMV measured slower than its dot
+    for tiling in (one_row, *gemv_fallback, Tiling()) if x.shape[0] == 1 else (many_rows, Tiling()):
         if tiling.fits(w):
             return tiling
     return None

@@ -99,9 +99,27 @@ def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
     assert pick_tiling(jnp.zeros((1, 1024), jnp.bfloat16), w) == GEMV_FALLBACK
 
 
+def test_fp8_block_one_row_never_gets_a_tile_wider_than_a_scale_block():
+    """A 256-wide tile would read one scale for two 128-column scale blocks."""
+    rng = np.random.default_rng(3)
+    w = quantize(rng.normal(size=(144, 1024)).astype(np.float32), "fp8_block")
+    x = jnp.asarray(rng.normal(size=(1, 1024)), jnp.bfloat16)
+    tiling = pick_tiling(x, w)
+    assert tiling.block_k <= 128 and tiling.block_n <= 128
+    got = quant_matmul_pallas(x, w, tiling=tiling, interpret=True)
+    assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 4
+    with pytest.raises(ValueError, match="fp8_block also block_n \\| 128"):
+        quant_matmul_pallas(x, w, tiling=Tiling(16, 256, 4, gemv=True), interpret=True)
+
+
+def test_nvfp4_one_row_skips_the_gemv_fallback():
+    w = quantize(np.ones((N, 1024), np.float32), "nvfp4")
+    assert not pick_tiling(jnp.zeros((1, 1024), jnp.bfloat16), w).gemv
+
+
 def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
     w = quantize(np.ones((48, K), np.float32), "int8")
-    with pytest.raises(ValueError, match="does not divide a \\[48, 256\\] weight"):
+    with pytest.raises(ValueError, match="does not divide a \\[48, 256\\] int8 weight"):
         quant_matmul_pallas(jnp.zeros((1, K), jnp.bfloat16), w, tiling=Tiling(block_n=32), interpret=True)
 
 
