@@ -100,6 +100,16 @@ def family(name: str) -> str:
     return re.sub(r"([._]\d+)+$", "", name)
 
 
+STAMP_JITTER_NS = 50.0  # GPU timestamps of adjacent events can overlap or overhang by a few ns
+
+
+def nested(parent_end: float, start: float, dur: float) -> bool:
+    """Whether an event starting at or after its candidate parent's start lies inside it: it starts
+    clearly before the parent's end and ends no later than it, both up to timestamp jitter (so
+    back-to-back kernels are siblings, and a child stamped a few ns past its parent still nests)."""
+    return parent_end - start > STAMP_JITTER_NS and start + dur <= parent_end + STAMP_JITTER_NS
+
+
 def with_self_times(raw: list[tuple[str, str, float, float]]) -> list[Event]:
     """Events of one timeline line, (name, hlo_op, start, duration) each, with each event's self
     time: its duration less that of the events directly nested in it."""
@@ -107,8 +117,7 @@ def with_self_times(raw: list[tuple[str, str, float, float]]) -> list[Event]:
     self_ns = [d for *_, d in raw]
     stack: list[int] = []
     for i, (_, _, start, dur) in enumerate(raw):
-        # nested only when wholly inside: back-to-back kernels' timestamps can overlap by a few ns
-        while stack and raw[stack[-1]][2] + raw[stack[-1]][3] < start + dur:
+        while stack and not nested(raw[stack[-1]][2] + raw[stack[-1]][3], start, dur):
             stack.pop()
         if stack:
             self_ns[stack[-1]] -= dur

@@ -17,3 +17,8 @@ def test_back_to_back_kernels_keep_their_whole_durations():
 def test_an_event_inside_another_is_subtracted_from_it():
     raw = [("thunk", "", 0.0, 100.0), ("kernel", "", 10.0, 60.0), ("next", "", 100.0, 5.0)]
     assert self_times(raw) == {"thunk": 40.0, "kernel": 60.0, "next": 5.0}
+
+
+def test_a_child_stamped_a_few_ns_past_its_parent_still_nests():
+    raw = [("thunk", "", 0.0, 100_000.0), ("a", "", 10_000.0, 40_000.0), ("b", "", 60_000.0, 40_003.0)]
+    assert self_times(raw) == {"thunk": 19_997.0, "a": 40_000.0, "b": 40_003.0}
