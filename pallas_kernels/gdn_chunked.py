@@ -273,8 +273,8 @@ def gdn_chunked(q, k, v, g, beta, state):
     """Dispatcher for the chunked gated delta rule (see `gdn_chunked_reference`): on a GPU the
     Pallas kernels, the reference elsewhere. A bfloat16 model's dots read bfloat16 operands, as
     flash-linear-attention's do (at 4k tokens about 6x faster than XLA's reference, 3.7e-3
-    relative to it; on GPU time still about 1.35x slower than FLA; BENCHMARKS.md); a float32
-    model keeps float32 operands (TF32x3)."""
+    relative to it; on GPU time about 1.35x slower than FLA, measured before the diagonal blocks
+    shared one loop; BENCHMARKS.md); a float32 model keeps float32 operands (TF32x3)."""
     if jax.default_backend() == "gpu" and kernel_fits(q, v):
         operands = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
         return gdn_chunked_pallas(q, k, v, g, beta, state, operands=operands)
