@@ -123,13 +123,14 @@ def _invert_unit_lower(blocks):
     S = blocks[0].shape[0]
     rows = jax.lax.broadcasted_iota(jnp.int32, (S, S), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (S, S), 1)
-    unit_row = lambda i: jnp.where(jax.lax.broadcasted_iota(jnp.int32, (S,), 0) == i, 1.0, 0.0)
 
     def row(i, xs):
+        is_row_i = rows == i
+        unit_row = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (S,), 0) == i, 1.0, 0.0)
         new = []
         for A, x in zip(blocks, xs):
-            a_i = jnp.sum(jnp.where(rows == i, A, 0.0), axis=0)  # A[i, :], zero at and above i
-            new.append(jnp.where(rows == i, (unit_row(i) - jnp.sum(a_i[:, None] * x, axis=0))[None, :], x))
+            a_i = jnp.sum(jnp.where(is_row_i, A, 0.0), axis=0)  # A[i, :], zero at and above i
+            new.append(jnp.where(is_row_i, (unit_row - jnp.sum(a_i[:, None] * x, axis=0))[None, :], x))
         return tuple(new)
 
     identity = (rows == cols).astype(jnp.float32)
