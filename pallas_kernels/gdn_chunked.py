@@ -8,9 +8,9 @@ operands; bfloat16 operands round to ~4e-3).
 
 `gdn_chunked` is the dispatcher the model calls. `gdn_chunked_pallas` is the Pallas (Triton)
 version in three launches, split as flash-linear-attention splits the work:
-  1. chunk-parallel WY: invert each chunk's (I + A) in 16-row blocks (forward substitution on the
-     diagonal blocks, rows picked with masks since Triton cannot index values; block substitution
-     by matmuls below them) and form U, W and the keys decayed to the chunk's end;
+  1. chunk-parallel WY: A = beta k k^T decay with one dot, (I + A)^-1 by ten [C, C] products
+     (block substitution in levels of 4 -> 16 -> 64 rows, `_invert_unit_lower`), then U and W
+     with one dot each, and each key's norm and decay to the chunk's end (f);
   2. sequential state walk: one program per (row, value head, block of BV value columns) carries
      its [dk, BV] state in float32 registers across the chunks, two dots a chunk, and writes the
      state each chunk starts from and the chunk's corrected values v_new;
@@ -30,7 +30,6 @@ from pallas_kernels.gdn_common import L2_EPS, prepare_qk
 from pallas_kernels.gdn_recurrent import next_pow2
 
 CHUNK = 64
-SUB = 16  # block size of the WY kernel's blocked triangular inverse (Triton's smallest dot)
 
 
 def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk: int = CHUNK):
@@ -111,74 +110,60 @@ def _decay(Gi, Gj, diagonal: bool, strict: bool):
     return jnp.exp(diff)
 
 
-def _last(x):
-    """x[-1] of a 1-D value (Triton cannot index values: a masked sum picks it exactly)."""
-    return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) == x.shape[0] - 1, x, 0.0))
+def _invert_unit_lower(A, dot):
+    """(I + A)^-1 for a strictly lower A [C, C] (C a power of two), by matrix products alone.
 
-
-def _invert_unit_lower(blocks):
-    """(I + A)^-1 for each strictly lower A [S, S] in blocks, by forward substitution over rows:
-    X_i = e_i - A_i X. The blocks share one loop so that their independent dependency chains
-    overlap; rows are selected with masks because Triton has no dynamic indexing of values."""
-    S = blocks[0].shape[0]
-    rows = jax.lax.broadcasted_iota(jnp.int32, (S, S), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (S, S), 1)
-
-    def row(i, xs):
-        is_row_i = rows == i
-        unit_row = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (S,), 0) == i, 1.0, 0.0)
-        new = []
-        for A, x in zip(blocks, xs):
-            a_i = jnp.sum(jnp.where(is_row_i, A, 0.0), axis=0)  # A[i, :], zero at and above i
-            new.append(jnp.where(is_row_i, (unit_row - jnp.sum(a_i[:, None] * x, axis=0))[None, :], x))
-        return tuple(new)
-
-    identity = (rows == cols).astype(jnp.float32)
-    return jax.lax.fori_loop(1, S, row, tuple(identity for _ in blocks))
-
-
-def _wy_kernel(k_ref, v_ref, G_ref, beta_ref, u_ref, w_ref, kd_ref, *, dt, precision):
-    """One (row, value head, chunk), all chunks in parallel. With A the strictly lower
-    beta k k^T decay of the chunk: U = (I + A)^-1 beta v [C, dv], W = (I + A)^-1 beta exp(G) k
-    [C, dk], and the keys decayed to the chunk's end, k exp(G_last - G) [C, dk].
-
-    (I + A) is inverted by blocks of SUB rows, as flash-linear-attention does: the diagonal
-    blocks by forward substitution in one shared loop, the blocks below them by block forward
-    substitution (matmuls).
+    Blocks grow fourfold per level, 4 -> 16 -> 64 rows. With X = (I + D)^-1 for D, A's part on the
+    diagonal blocks of the last level, and L the rest of A inside the new blocks, I + A = (I + D)
+    (I + M) with M = X L strictly block-lower in four blocks, so M^4 = 0 and the new inverse is
+    (I - M + M^2 - M^3) X. The first level is the same with X = I. Each level is one step of block
+    forward substitution, so rounding grows no faster than substitution's; Triton cannot slice
+    values, so blocks are masks and every product is a full [C, C] tensor-core dot (10 at C = 64).
     """
-    nb = k_ref.shape[0] // SUB
-    rows = lambda ref, a: ref[pl.ds(a * SUB, SUB)] if len(ref.shape) == 1 else ref[pl.ds(a * SUB, SUB), :]
-    k = [_normalise_rows(rows(k_ref, a)) for a in range(nb)]
-    G = [rows(G_ref, a) for a in range(nb)]
-    beta = [rows(beta_ref, a) for a in range(nb)]
-    f32 = functools.partial(_dot, dt=jnp.float32, precision=precision)
-    A = {(a, c): beta[a][:, None] * _dot(k[a], k[c].T, dt, precision) * _decay(G[a], G[c], a == c, strict=True)
-         for a in range(nb) for c in range(a + 1)}
-    X = dict(zip(((a, a) for a in range(nb)), _invert_unit_lower([A[a, a] for a in range(nb)])))
-    for a in range(nb):
-        for c in range(a):  # X_ac = -X_aa sum_{c <= m < a} A_am X_mc
-            X[a, c] = -f32(X[a, a], sum(f32(A[a, m], X[m, c]) for m in range(c, a)))
-    G_last = _last(G[-1])
-    beta_v = [beta[c][:, None] * rows(v_ref, c).astype(jnp.float32) for c in range(nb)]
-    beta_k = [(beta[c] * jnp.exp(G[c]))[:, None] * k[c] for c in range(nb)]
-    for a in range(nb):
-        at = pl.ds(a * SUB, SUB)
-        u_ref[at, :] = sum(_dot(X[a, c], beta_v[c], dt, precision) for c in range(a + 1)).astype(u_ref.dtype)
-        w_ref[at, :] = sum(_dot(X[a, c], beta_k[c], dt, precision) for c in range(a + 1)).astype(w_ref.dtype)
-        kd_ref[at, :] = (k[a] * jnp.exp(G_last - G[a])[:, None]).astype(kd_ref.dtype)
+    C = A.shape[0]
+    i = jax.lax.broadcasted_iota(jnp.int32, A.shape, 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, A.shape, 1)
+    eye = (i == j).astype(jnp.float32)
+    X, size = eye, 1
+    while size < C:
+        inside = (i // (4 * size)) == (j // (4 * size))
+        M = jnp.where(inside, A, 0.0) if size == 1 else dot(X, jnp.where(inside & (i // size != j // size), A, 0.0))
+        M2 = dot(M, M)
+        X = eye - M + M2 - dot(M, M2) if size == 1 else dot(eye - M + M2 - dot(M, M2), X)
+        size *= 4
+    return X
 
 
-def _state_kernel(u_ref, w_ref, kd_ref, G_ref, s0_ref, h_ref, v_new_ref, s_ref, *, chunk: int, dt, precision):
+def _wy_kernel(k_ref, v_ref, G_ref, beta_ref, u_ref, w_ref, f_ref, *, dt, precision, solve_precision):
+    """One (row, value head, chunk), all chunks in parallel. With A the strictly lower
+    beta k k^T decay of the chunk [C, C]: U = (I + A)^-1 beta v [C, dv] and W = (I + A)^-1 beta
+    exp(G) k [C, dk], k L2-normalised; and f [C], each key's norm and decay to the chunk's end,
+    rsqrt(|k|^2) exp(G_last - G), by which the state walk scales v_new instead of storing keys.
+    """
+    k = k_ref[...].astype(jnp.float32)
+    inv_norm = jax.lax.rsqrt(jnp.sum(k * k, axis=1) + L2_EPS)
+    k = k * inv_norm[:, None]
+    G, beta = G_ref[...], beta_ref[...]
+    A = beta[:, None] * _dot(k, k.T, dt, precision) * _decay(G, G, True, strict=True)
+    X = _invert_unit_lower(A, functools.partial(_dot, dt=jnp.float32, precision=solve_precision))
+    u_ref[...] = _dot(X, beta[:, None] * v_ref[...].astype(jnp.float32), dt, precision).astype(u_ref.dtype)
+    w_ref[...] = _dot(X, (beta * jnp.exp(G))[:, None] * k, dt, precision).astype(w_ref.dtype)
+    f_ref[...] = inv_norm * jnp.exp(G_ref[G_ref.shape[0] - 1] - G)
+
+
+def _state_kernel(u_ref, w_ref, k_ref, f_ref, G_ref, s0_ref, h_ref, v_new_ref, s_ref, *, chunk: int, dt, precision):
     """One (row, value head, block of BV value columns) walks the chunks in order with its
     [dk, BV] state in float32 registers, two dots a chunk: it writes the state each chunk
-    starts from (h) and the chunk's values after the state's reads (v_new)."""
+    starts from (h) and the chunk's values after the state's reads (v_new). The state update
+    reads the raw keys; their norms and decays ride on v_new (f)."""
 
     def one_chunk(n, s):
         at = pl.ds(n * chunk, chunk)
         h_ref[n] = s.astype(h_ref.dtype)
         v_new = u_ref[at, :].astype(jnp.float32) - _dot(w_ref[at, :], s, dt, precision)
         v_new_ref[at, :] = v_new.astype(v_new_ref.dtype)
-        return s * jnp.exp(_last(G_ref[at])) + _dot(kd_ref[at, :].T, v_new, dt, precision)
+        update = _dot(k_ref[at, :].T, v_new * f_ref[at][:, None], dt, precision)
+        return s * jnp.exp(G_ref[n * chunk + chunk - 1]) + update
 
     s_ref[...] = jax.lax.fori_loop(0, h_ref.shape[0], one_chunk, s0_ref[...].astype(jnp.float32))
 
@@ -194,16 +179,20 @@ def _output_kernel(q_ref, k_ref, G_ref, h_ref, v_new_ref, o_ref, *, dt, precisio
     o_ref[...] = o.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("operands", "block_v", "state_stages", "interpret"))
-def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v: int = 64,
-                       state_stages: int = 2, interpret: bool = False):
-    """The Pallas kernels; same arguments and results as `gdn_chunked_reference`. dk, dv and
-    block_v must be powers of two, >= 16 (block_v is capped at dv). state_stages is Triton's
-    software-pipelining depth for the sequential kernel's loads (2 measured fastest).
+@functools.partial(jax.jit, static_argnames=("operands", "block_v", "state_stages", "state_warps", "wy_warps",
+                                             "out_dtype", "interpret"))
+def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v: int = 64, state_stages: int = 3,
+                       state_warps: int = 4, wy_warps: int = 4, out_dtype=jnp.float32, interpret: bool = False):
+    """The Pallas kernels; same arguments and results as `gdn_chunked_reference` (o in
+    out_dtype). dk, dv and block_v must be powers of two, >= 16 (block_v is capped at dv).
+    state_stages is Triton's software-pipelining depth for the sequential kernel's loads;
+    state_warps and wy_warps are the two kernels' warps (tuned on the H200, BENCHMARKS.md).
 
     `operands` is the dtype the dots read (accumulation is always float32): float32 (TF32x3 on
     the GPU, exact in interpret mode) or bfloat16 (flash-linear-attention's choice, which also
-    stores U, W, the chunk states and v_new in bfloat16). Three launches, split the way
+    stores U, W, the chunk states and v_new in bfloat16; the triangular inverse's float32
+    products then take one TF32 pass, whose ~1e-3 error stays under the bfloat16 rounding of U
+    and W). Three launches, split the way
     flash-linear-attention splits the work: chunk-parallel WY (the triangular solves), the
     sequential state walk (two dots a chunk), chunk-parallel outputs.
     """
@@ -215,54 +204,61 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v
     if dv % block_v:  # a partial last block of value columns would be left unwritten
         raise ValueError(f"block_v={block_v} must divide the value head dim {dv}")
     dt = jnp.dtype(operands)
-    precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    if interpret:
+        precision = solve_precision = jax.lax.Precision.HIGHEST
+    else:
+        precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+        solve_precision = precision if dt == jnp.float32 else jax.lax.DotAlgorithmPreset.TF32_TF32_F32
     kw = dict(dt=dt, precision=precision)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
     q, k, v = pad(q), pad(k), pad(v)  # [B, Tp, heads, d]: read in place, chunk rows strided by heads
-    g, beta = (jnp.moveaxis(pad(x.astype(jnp.float32)), 2, 1) for x in (g, beta))  # [B, nv, Tp]
-    G = jnp.cumsum(g.reshape(B, nv, n, CHUNK), axis=-1).reshape(B, nv, Tp)  # within-chunk cumulative decay
-    params = lambda stages: plt.CompilerParams(num_warps=4, num_stages=stages)
+    g, beta = (pad(x.astype(jnp.float32)) for x in (g, beta))  # [B, Tp, nv], read in place like q, k, v
+    G = jnp.cumsum(g.reshape(B, n, CHUNK, nv), axis=2).reshape(B, Tp, nv)  # within-chunk cumulative decay
+    params = lambda stages, warps=4: plt.CompilerParams(num_warps=warps, num_stages=stages)
 
     # chunk-parallel grid (row * value head, chunk)
     token_major = lambda d, by_key: pl.BlockSpec(
         (None, CHUNK, None, d), lambda bh, c: (bh // nv, c, (bh % nv) // r if by_key else bh % nv, 0))
     head_major = lambda d: pl.BlockSpec((None, None, CHUNK, d), lambda bh, c: (bh // nv, bh % nv, c, 0))
-    gate = pl.BlockSpec((None, None, CHUNK), lambda bh, c: (bh // nv, bh % nv, c))
+    gate = pl.BlockSpec((None, CHUNK, None), lambda bh, c: (bh // nv, c, bh % nv))
+    factors = pl.BlockSpec((None, None, CHUNK), lambda bh, c: (bh // nv, bh % nv, c))
     inter = lambda d: jax.ShapeDtypeStruct((B, nv, Tp, d), dt)
-    u, w, kd = pl.pallas_call(
-        functools.partial(_wy_kernel, **kw),
-        out_shape=[inter(dv), inter(dk), inter(dk)],
+    u, w, f = pl.pallas_call(
+        functools.partial(_wy_kernel, solve_precision=solve_precision, **kw),
+        out_shape=[inter(dv), inter(dk), jax.ShapeDtypeStruct((B, nv, Tp), jnp.float32)],
         grid=(B * nv, n),
         in_specs=[token_major(dk, True), token_major(dv, False), gate, gate],
-        out_specs=[head_major(dv), head_major(dk), head_major(dk)],
-        compiler_params=params(1), interpret=interpret, name="gdn_chunked_wy",
+        out_specs=[head_major(dv), head_major(dk), factors],
+        compiler_params=params(1, wy_warps), interpret=interpret, name="gdn_chunked_wy",
     )(k, v, G, beta)
 
     # sequential grid (row * value head, block of value columns)
     all_tokens = lambda d: pl.BlockSpec((None, None, Tp, d), lambda bh, iv: (bh // nv, bh % nv, 0, 0))
     value_cols = pl.BlockSpec((None, None, Tp, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
     by_state = pl.BlockSpec((None, None, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
+    keys = pl.BlockSpec((None, Tp, None, dk), lambda bh, iv: (bh // nv, 0, (bh % nv) // r, 0))
+    key_factors = pl.BlockSpec((None, None, Tp), lambda bh, iv: (bh // nv, bh % nv, 0))
+    whole_gate = pl.BlockSpec((None, Tp, None), lambda bh, iv: (bh // nv, 0, bh % nv))
     h, v_new, final = pl.pallas_call(
         functools.partial(_state_kernel, chunk=CHUNK, **kw),
         out_shape=[jax.ShapeDtypeStruct((B, nv, n, dk, dv), dt), inter(dv), jax.ShapeDtypeStruct(state.shape, jnp.float32)],
         grid=(B * nv, dv // block_v),
-        in_specs=[value_cols, all_tokens(dk), all_tokens(dk),
-                  pl.BlockSpec((None, None, Tp), lambda bh, iv: (bh // nv, bh % nv, 0)), by_state],
+        in_specs=[value_cols, all_tokens(dk), keys, key_factors, whole_gate, by_state],
         out_specs=[pl.BlockSpec((None, None, n, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, 0, iv)),
                    value_cols, by_state],
-        compiler_params=params(state_stages), interpret=interpret, name="gdn_chunked_state",
-    )(u, w, kd, G, state.astype(jnp.float32))
+        compiler_params=params(state_stages, state_warps), interpret=interpret, name="gdn_chunked_state",
+    )(u, w, k, f, G, state.astype(jnp.float32))
 
     o = pl.pallas_call(
         functools.partial(_output_kernel, **kw),
-        out_shape=jax.ShapeDtypeStruct((B, Tp, nv, dv), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, nv, dv), out_dtype),
         grid=(B * nv, n),
         in_specs=[token_major(dk, True), token_major(dk, True), gate,
                   pl.BlockSpec((None, None, None, dk, dv), lambda bh, c: (bh // nv, bh % nv, c, 0, 0)), head_major(dv)],
         out_specs=token_major(dv, False),
         compiler_params=params(1), interpret=interpret, name="gdn_chunked_output",
     )(q, k, G, h, v_new)
-    return o[:, :T], final
+    return (o if T == Tp else o[:, :T]), final
 
 
 def kernel_fits(q, v) -> bool:
@@ -271,12 +267,13 @@ def kernel_fits(q, v) -> bool:
 
 
 def gdn_chunked(q, k, v, g, beta, state):
-    """Dispatcher for the chunked gated delta rule (see `gdn_chunked_reference`): on a GPU the
-    Pallas kernels, the reference elsewhere. A bfloat16 model's dots read bfloat16 operands, as
-    flash-linear-attention's do (at 4k tokens about 6x faster than XLA's reference, 3.7e-3
-    relative to it; on GPU time about 1.35x slower than FLA, measured before the diagonal blocks
-    shared one loop; BENCHMARKS.md); a float32 model keeps float32 operands (TF32x3)."""
+    """Dispatcher for the chunked gated delta rule (see `gdn_chunked_reference`; o comes back in
+    v's dtype, as HF's and flash-linear-attention's do): on a GPU the Pallas kernels, the
+    reference elsewhere. A bfloat16 model's dots read bfloat16 operands, as flash-linear-
+    attention's do; a float32 model keeps float32 operands (TF32x3). Measured against FLA in
+    BENCHMARKS.md."""
     if jax.default_backend() == "gpu" and kernel_fits(q, v):
         operands = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
-        return gdn_chunked_pallas(q, k, v, g, beta, state, operands=operands)
-    return gdn_chunked_reference(q, k, v, g, beta, state)
+        return gdn_chunked_pallas(q, k, v, g, beta, state, operands=operands, out_dtype=v.dtype)
+    o, final = gdn_chunked_reference(q, k, v, g, beta, state)
+    return o.astype(v.dtype), final

@@ -3,6 +3,7 @@
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -100,3 +101,34 @@ def test_chunked_kernel_refuses_value_blocks_that_do_not_divide_dv():
 
     with pytest.raises(ValueError, match="block_v=16 must divide the value head dim 24"):
         gdn_chunked_pallas(*inputs(64, B=1, nk=1, nv=2, dk=16, dv=24), block_v=16, interpret=True)
+
+
+@pytest.mark.parametrize("corr", [0.0, 0.95])
+@pytest.mark.parametrize("C", [64, 32, 16])
+def test_triangular_inverse_by_products_equals_substitution(C, corr):
+    """The WY kernel's (I + A)^-1 by level products against a triangular solve, also with keys
+    95% alike (A's entries near beta), where an unblocked Neumann series would lose everything."""
+    from pallas_kernels.gdn_chunked import _invert_unit_lower
+
+    r = np.random.default_rng(C)
+    k = corr * r.normal(size=(1, 128)) + (1 - corr) * r.normal(size=(C, 128))
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    beta = r.uniform(0.5, 1.0, size=(C, 1))
+    A = jnp.asarray(np.tril(beta * (k @ k.T), -1), jnp.float32)
+    dot = lambda a, b: jnp.dot(a, b, precision="highest")
+    got = _invert_unit_lower(A, dot)
+    want = jax.scipy.linalg.solve_triangular(jnp.eye(C) + A, jnp.eye(C), lower=True, unit_diagonal=True)
+    assert rel(got, want) < 1e-5
+
+
+def test_chunked_kernel_writes_outputs_in_the_asked_dtype_and_the_dispatcher_in_vs():
+    from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
+
+    q, k, v, g, beta, s0 = inputs(64, B=1, nk=1, nv=2, dk=16, dv=32, seed=4)
+    bf = lambda x: x.astype(jnp.bfloat16)
+    o, _ = gdn_chunked_pallas(bf(q), bf(k), bf(v), g, beta, s0, operands=jnp.bfloat16, out_dtype=jnp.bfloat16,
+                              interpret=True)
+    o_ref, _ = gdn_chunked_reference(bf(q), bf(k), bf(v), g, beta, s0)
+    assert o.dtype == jnp.bfloat16 and rel(o.astype(jnp.float32), o_ref) < CHUNKED_TOL[jnp.bfloat16]
+    assert gdn_chunked(bf(q), bf(k), bf(v), g, beta, s0)[0].dtype == jnp.bfloat16
+    assert gdn_chunked(q, k, v, g, beta, s0)[0].dtype == jnp.float32
