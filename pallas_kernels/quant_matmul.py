@@ -12,8 +12,10 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
 elsewhere. The kernel runs one program per block of BN output channels (and per K range when K
 is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
 float32. A single activation row (decode at batch 1) is contracted by multiply-and-sum; more rows
-by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). At one row on the H200 this
-streams 78-88% of the measured HBM ceiling for int8 / fp8 / fp8 blocks (BENCHMARKS.md).
+by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). On the GPU the int8 and e2m1
+decodes are inline PTX (bit tricks that keep the conversion unit out of the loop). At one row on
+the H200 this streams 82-88% of the measured HBM ceiling for int8 / fp8 / fp8 blocks and 31% for
+NVFP4 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -128,45 +130,120 @@ def _load_step(x_ref, x_odd_ref, w_ref, s_ref, n0, k0, *, fmt: str, bn: int, bk:
         return (x_ref[:, half], x_odd_ref[:, half], w_ref[pl.ds(n0, bn), half],
                 s_ref[pl.ds(n0, bn), pl.ds(k0 // GROUP, bk // GROUP)])
     step = (x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(n0, bn), pl.ds(k0, bk)])
-    return step + (s_ref[n0 // BLOCK, k0 // BLOCK],) if fmt == "fp8_block" else step
+    if fmt != "fp8_block":
+        return step
+    if bk <= BLOCK:  # the K tile sits inside one 128-column scale block: one scale
+        return step + (s_ref[n0 // BLOCK, k0 // BLOCK],)
+    return step + (s_ref[n0 // BLOCK, pl.ds(k0 // BLOCK, bk // BLOCK)],)  # or spans whole blocks
 
 
-def _dequantized_pairs(step: tuple, g, *, fmt: str) -> list[tuple[jax.Array, jax.Array]]:
-    """(activations [Mp, k], float32 weight [bn, k]) pairs whose products sum to the step's share
-    of x W^T (per-channel scales are applied once, after the K loop)."""
-    if fmt in ("int8", "fp8"):
+# Inline PTX for the decodes a GEMV is bound by on the GPU (interpret mode runs the jnp forms).
+# int8 -> float32 without the conversion unit (int-to-float: 16 results a clock per SM on Hopper,
+# by the CUDA guide's throughput table): the byte, sign bit flipped, becomes the low byte of float
+# 2^23 + (x + 128), and one subtraction leaves x. Both check out on the H200 against the jnp forms
+# (bench/kernels.py: every format 1.7e-3 from dequantize-then-dot, bf16 output rounding).
+_INT8_TO_F32_PTX = """{
+.reg .b32 t, r<4>;
+xor.b32 t, $4, 0x80808080;
+prmt.b32 r0, t, 0x4B000000, 0x7540;
+prmt.b32 r1, t, 0x4B000000, 0x7541;
+prmt.b32 r2, t, 0x4B000000, 0x7542;
+prmt.b32 r3, t, 0x4B000000, 0x7543;
+mov.b32 $0, r0; mov.b32 $1, r1; mov.b32 $2, r2; mov.b32 $3, r3;
+sub.f32 $0, $0, 0f4B000080; sub.f32 $1, $1, 0f4B000080;
+sub.f32 $2, $2, 0f4B000080; sub.f32 $3, $3, 0f4B000080;
+}"""
+# e2m1 (s e e m) -> e4m3 (s 0 0 e e m 0 0), whose value is the e2m1 value times 2^-6 (e = 0
+# included: both are subnormal there), four bytes a word: the low nibbles, then the high ones (two
+# blocks: Pallas lowers an inline-asm call with one result only).
+_E2M1_TO_E4M3_PTX = ("""{
+.reg .b32 a, b;
+shl.b32 a, $1, 4; and.b32 a, a, 0x80808080; shl.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b;
+}""", """{
+.reg .b32 b;
+shr.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; and.b32 $0, $1, 0x80808080; or.b32 $0, $0, b;
+}""")
+E2M1_IN_E4M3 = 64.0  # 2^6: what the transcoded e4m3 values are scaled down by
+
+
+def _int8_to_float(w: jax.Array, ptx: bool) -> jax.Array:
+    """int8 [bn, k] -> float32."""
+    if not ptx:
+        return w.astype(jnp.float32)
+    [out] = plt.elementwise_inline_asm(_INT8_TO_F32_PTX, args=[w], constraints="=f,=f,=f,=f,r", pack=4,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])
+    return out
+
+
+def _e2m1_pairs(packed: jax.Array, ptx: bool) -> tuple[jax.Array, jax.Array, float]:
+    """Packed e2m1 codes [bn, k/2] -> (even, odd) columns as float32 [bn, k/2], and the factor
+    they are scaled down by."""
+    if not ptx:
+        return decode_e2m1(packed & 15), decode_e2m1(packed >> 4), 1.0
+
+    def transcoded(asm):
+        [e4m3] = plt.elementwise_inline_asm(asm, args=[packed], constraints="=r,r", pack=4,  # Triton: signless
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.int8)])
+        return jax.lax.bitcast_convert_type(e4m3, FP8).astype(jnp.float32)
+
+    lo, hi = map(transcoded, _E2M1_TO_E4M3_PTX)
+    return lo, hi, E2M1_IN_E4M3
+
+
+def _dequantized_pairs(step: tuple, g, *, fmt: str, ptx: bool) -> list[tuple[jax.Array, jax.Array, jax.Array | None]]:
+    """(activations [Mp, k], float32 weight [bn, k], scalar scale or None) triples whose scaled
+    products sum to the step's share of x W^T. Per-channel scales are applied once, after the K
+    loop. An fp8 tile stays inside one 128-row scale block: one scale block's scale multiplies the
+    tile's partial sum, several (varying along K only) multiply the activations' columns."""
+    if fmt == "int8":
         x, w = step
-        return [(x, w.astype(jnp.float32))]
+        return [(x, _int8_to_float(w, ptx), None)]
+    if fmt == "fp8":
+        x, w = step
+        return [(x, w.astype(jnp.float32), None)]
     if fmt == "fp8_block":
-        x, w, scale = step
-        return [(x, w.astype(jnp.float32) * scale)]
+        x, w, scales = step
+        if scales.ndim == 0:
+            return [(x, w.astype(jnp.float32), scales)]
+        per_column = jnp.broadcast_to(scales[:, None], (scales.shape[0], BLOCK)).reshape(1, x.shape[1])
+        return [(x.astype(jnp.float32) * per_column, w.astype(jnp.float32), None)]
     x_even, x_odd, packed, scales = step
     bn, half = packed.shape
-    scales = scales.astype(jnp.float32) * g
+    even, odd, shrink = _e2m1_pairs(packed, ptx)
+    scales = scales.astype(jnp.float32) * (g * shrink)
     scales = jnp.broadcast_to(scales[:, :, None], (bn, half // (GROUP // 2), GROUP // 2)).reshape(bn, half)
-    return [(x_even, decode_e2m1(packed & 15) * scales), (x_odd, decode_e2m1(packed >> 4) * scales)]
+    return [(x_even, even * scales, None), (x_odd, odd * scales, None)]
 
 
-def _contract(acc: jax.Array, x: jax.Array, w: jax.Array) -> jax.Array:
-    """acc [Mp, bn] + x [Mp, k] w[bn, k]^T: one row by float32 multiply-and-sum (a dot would pad
-    it to 16), more by a bf16 tensor-core dot."""
-    if x.shape[0] == 1:
-        return acc + jnp.sum(w * x.astype(jnp.float32), axis=1)[None, :]
-    return acc + jnp.dot(x, w.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32)
+def _contract(acc: jax.Array, x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """acc + scale x [Mp, k] w [bn, k]^T. More than one row: a bf16 tensor-core dot into acc
+    [Mp, bn]. One row (a dot would pad it to 16): float32 products, summed over k into acc [1, bn]
+    each step, or, where acc is [bn, k], added elementwise and summed once after the K loop."""
+    if x.shape[0] > 1:
+        part = jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32)
+        return acc + (part if scale is None else scale * part)
+    products = w * (x.astype(jnp.float32) if scale is None else x.astype(jnp.float32) * scale)
+    return acc + (products if acc.shape == products.shape else jnp.sum(products, axis=1)[None, :])
 
 
-def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bk: int, k_steps: int):
+def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bk: int, k_steps: int, ptx: bool):
     """Program (i, j): output columns [i bn, (i + 1) bn) over the j-th of the split K ranges."""
     n0 = pl.program_id(0) * bn
     k_first = pl.program_id(1) * k_steps * bk
 
     def body(i, acc):
         step = _load_step(x_ref, x_odd_ref, w_ref, s_ref, n0, k_first + i * bk, fmt=fmt, bn=bn, bk=bk)
-        for x, w in _dequantized_pairs(step, g_ref[0], fmt=fmt):
-            acc = _contract(acc, x, w)
+        for x, w, scale in _dequantized_pairs(step, g_ref[0], fmt=fmt, ptx=ptx):
+            acc = _contract(acc, x, w, scale)
         return acc
 
-    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
+    # One row of NVFP4 keeps its products until the loop ends (41 against 88 us on the H200); the
+    # other formats measured faster summing each step (27.7 against 30.8 us, int8).
+    products_kept = x_ref.shape[0] == 1 and fmt == "nvfp4"
+    acc = jnp.zeros((bn, bk // 2) if products_kept else (x_ref.shape[0], bn), jnp.float32)
+    acc = jax.lax.fori_loop(0, k_steps, body, acc)
+    if products_kept:
+        acc = jnp.sum(acc, axis=1)[None, :]
     if fmt in ("int8", "fp8"):
         acc = acc * s_ref[pl.ds(n0, bn)][None, :]
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -191,11 +268,12 @@ class Tiling:
     gemv: bool = False
 
     def fits(self, w: "QuantizedWeight") -> bool:
-        """The tiles divide the weight; for fp8 blocks a tile also stays inside one 128 x 128
-        scale block (the kernel reads one scale per tile)."""
+        """The tiles divide the weight; for fp8 blocks a tile's rows also stay inside one 128-row
+        scale block, and its columns span whole 128-column blocks or sit inside one."""
         N, K = w.shape
-        inside_scale_block = w.format != "fp8_block" or (BLOCK % self.block_n == 0 and BLOCK % self.block_k == 0)
-        return N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0 and inside_scale_block
+        bk = self.block_k
+        scale_aligned = w.format != "fp8_block" or (BLOCK % self.block_n == 0 and (bk % BLOCK == 0 or BLOCK % bk == 0))
+        return N % self.block_n == 0 and K % (bk * self.split_k) == 0 and scale_aligned
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
@@ -221,7 +299,8 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     scale = w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # a pointer to the whole array
     args = (x_main, x_odd, w.data, scale, g)
-    kernel = functools.partial(_kernel, fmt=w.format, bn=t.block_n, bk=t.block_k, k_steps=K // (t.block_k * t.split_k))
+    kernel = functools.partial(_kernel, fmt=w.format, bn=t.block_n, bk=t.block_k, k_steps=K // (t.block_k * t.split_k),
+                               ptx=not interpret)
     out = pl.pallas_call(
         kernel,  # one K range writes the output in x's dtype; split K writes float32 partial sums
         out_shape=jax.ShapeDtypeStruct((t.split_k, Mp, N), x.dtype if t.split_k == 1 else jnp.float32),
@@ -235,29 +314,26 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# The fastest tilings per format on the H200 (27B MLP matrix [17408, 5120], BENCHMARKS.md): for one
-# activation row (decode at batch 1; a multiply-and-sum GEMV except NVFP4, whose dot was faster)
-# and for 2 to 64 rows.
-MEASURED_TILINGS = {
-    "int8": (Tiling(16, 512, 5, 4, 3, gemv=True), Tiling(64, 256, 1, 4, 3)),
-    "fp8": (Tiling(16, 512, 5, 4, 3, gemv=True), Tiling(64, 256, 1, 4, 3)),
-    "fp8_block": (Tiling(32, 128, 8, 4, 3, gemv=True), Tiling(64, 128, 4, 4, 4)),
-    "nvfp4": (Tiling(64, 128, 4, 4, 3), Tiling(32, 128, 4, 4, 3)),
+# The fastest tilings on the H200 (27B MLP matrix [17408, 5120], BENCHMARKS.md): one tiling for
+# a single activation row (decode at batch 1: multiply-and-sum, K unsplit, so no partial sums to
+# add), and one per format for 2 to 64 rows.
+ONE_ROW_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)
+MANY_ROWS_TILINGS = {
+    "int8": Tiling(64, 256, 1, 4, 3),
+    "fp8": Tiling(64, 256, 1, 4, 3),
+    "fp8_block": Tiling(64, 128, 2, 4, 3),
+    "nvfp4": Tiling(64, 128, 4, 4, 3),
 }
-GEMV_FALLBACK = Tiling(16, 128, 8, 4, 3, gemv=True)  # one row, where the measured tiling does not divide
+GEMV_FALLBACK = Tiling(16, 128, 1, 4, 3, gemv=True)  # one row where 512 does not divide K (128 does)
 
 
 def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
-    """The measured tiling for w's format and x's row count if it divides the shape, else a default
-    that does, else None (more than 64 rows, or a shape no tiling divides)."""
+    """The measured tiling for x's row count (and w's format) if it divides the shape, else a
+    default that does, else None (more than 64 rows, or a shape no tiling divides)."""
     if x.shape[0] > 64:
         return None
-    one_row, many_rows = MEASURED_TILINGS[w.format]
-    gemv_fallback = () if w.format == "nvfp4" else (GEMV_FALLBACK,)  # NVFP4's GEMV measured slower than its dot
-    for tiling in (one_row, *gemv_fallback, Tiling()) if x.shape[0] == 1 else (many_rows, Tiling()):
-        if tiling.fits(w):
-            return tiling
-    return None
+    tried = (ONE_ROW_TILING, GEMV_FALLBACK) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
+    return next((t for t in (*tried, Tiling()) if t.fits(w)), None)
 
 
 def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:

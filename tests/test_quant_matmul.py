@@ -11,7 +11,8 @@ import pytest
 from pallas_kernels.quant_matmul import (
     FORMATS,
     GEMV_FALLBACK,
-    MEASURED_TILINGS,
+    MANY_ROWS_TILINGS,
+    ONE_ROW_TILING,
     QuantizedWeight,
     decode_e2m1,
     dequantize,
@@ -85,36 +86,51 @@ def test_split_k_partial_sums_add_up(fmt):
 def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
     x = jnp.zeros((1, K), jnp.bfloat16)
     w = quantize(np.ones((N, K), np.float32), "fp8_block")
-    assert pick_tiling(x, w) == Tiling()  # K = 256 cannot be split 4 ways into 128-wide steps
+    assert pick_tiling(x, w) == GEMV_FALLBACK  # K = 256: no 512-wide steps, 128-wide ones
+    assert pick_tiling(jnp.zeros((1, 192), jnp.bfloat16), quantize(np.ones((N, 192), np.float32), "int8")) is None
     assert pick_tiling(jnp.zeros((65, K), jnp.bfloat16), w) is None
-    assert pick_tiling(x, quantize(np.ones((48, K), np.float32), "int8")) is None  # 48 columns: no block divides
+    narrow = quantize(np.ones((48, K), np.float32), "int8")  # 48 columns: 16-wide GEMV blocks only
+    assert pick_tiling(x, narrow) == GEMV_FALLBACK
+    assert pick_tiling(jnp.zeros((2, K), jnp.bfloat16), narrow) is None
 
 
 def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
     w = quantize(np.ones((N, 2560), np.float32), "int8")
-    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == MEASURED_TILINGS["int8"][0]
+    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == ONE_ROW_TILING
     assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w).gemv
-    assert pick_tiling(jnp.zeros((2, 2560), jnp.bfloat16), w) == MEASURED_TILINGS["int8"][1]
-    w = quantize(np.ones((N, 1024), np.float32), "int8")  # K = 1024 (a 0.8B projection): the GEMV fallback
-    assert pick_tiling(jnp.zeros((1, 1024), jnp.bfloat16), w) == GEMV_FALLBACK
+    assert pick_tiling(jnp.zeros((2, 2560), jnp.bfloat16), w) == MANY_ROWS_TILINGS["int8"]
+    w = quantize(np.ones((N, 384), np.float32), "int8")  # K = 384: 512 does not divide it, the GEMV fallback does
+    assert pick_tiling(jnp.zeros((1, 384), jnp.bfloat16), w) == GEMV_FALLBACK
 
 
-def test_fp8_block_one_row_never_gets_a_tile_wider_than_a_scale_block():
-    """A 256-wide tile would read one scale for two 128-column scale blocks."""
+@pytest.mark.parametrize("M, tiling", [(1, Tiling(16, 512, 1, gemv=True)), (1, Tiling(16, 64, 2, gemv=True)),
+                                       (3, Tiling(16, 512, 2)), (3, Tiling(16, 64, 1))])
+def test_fp8_block_tiles_scale_each_128_column_block_they_span(M, tiling):
+    """Columns scaled 0.01x to 100x per 128-column block: a tile that applied one block's scale to
+    another's columns would be off by orders of magnitude. N = 144 leaves a partial row block."""
     rng = np.random.default_rng(3)
-    w = quantize(rng.normal(size=(144, 1024)).astype(np.float32), "fp8_block")
-    x = jnp.asarray(rng.normal(size=(1, 1024)), jnp.bfloat16)
-    tiling = pick_tiling(x, w)
-    assert tiling.block_k <= 128 and tiling.block_n <= 128
+    per_block = np.repeat(10.0 ** rng.uniform(-2, 2, size=8), 128)
+    w = quantize((rng.normal(size=(144, 1024)) * per_block).astype(np.float32), "fp8_block")
+    x = jnp.asarray(rng.normal(size=(M, 1024)), jnp.bfloat16)
     got = quant_matmul_pallas(x, w, tiling=tiling, interpret=True)
     assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 4
+
+
+def test_fp8_block_tile_rows_stay_inside_one_scale_block():
+    w = quantize(np.ones((256, 256), np.float32), "fp8_block")
     with pytest.raises(ValueError, match="fp8_block also block_n \\| 128"):
-        quant_matmul_pallas(x, w, tiling=Tiling(16, 256, 4, gemv=True), interpret=True)
+        quant_matmul_pallas(jnp.zeros((1, 256), jnp.bfloat16), w, tiling=Tiling(256, 128, 1, gemv=True), interpret=True)
+    assert not Tiling(16, 192).fits(w)  # 192 columns: neither whole 128-column blocks nor inside one
 
 
-def test_nvfp4_one_row_skips_the_gemv_fallback():
-    w = quantize(np.ones((N, 1024), np.float32), "nvfp4")
-    assert not pick_tiling(jnp.zeros((1, 1024), jnp.bfloat16), w).gemv
+def test_nvfp4_one_row_takes_the_gemv_too():
+    """NVFP4's one-row GEMV keeps its products [bn, k/2] across K steps; the result matches."""
+    rng = np.random.default_rng(11)
+    w = quantize(rng.normal(size=(N, 1024)).astype(np.float32), "nvfp4")
+    x = jnp.asarray(rng.normal(size=(1, 1024)), jnp.bfloat16)
+    tiling = pick_tiling(x, w)
+    assert tiling == ONE_ROW_TILING
+    assert rel(quant_matmul_pallas(x, w, tiling=tiling, interpret=True), quant_matmul_reference(x.astype(jnp.float32), w)) < 8e-3
 
 
 def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
