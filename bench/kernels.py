@@ -85,18 +85,22 @@ def matmul_time_us(f, x, reps=200):
 
 def tilings(fmt: str, M: int) -> list[Tiling]:
     """Tilings to try: (block_n, block_k, split_k, warps, stages), and for one row the
-    multiply-and-sum GEMV ones. fp8 blocks cap both tile sides at the 128-wide scale block; small
-    M wants many programs in flight (split K)."""
+    multiply-and-sum GEMV ones. An fp8-block tile's rows stay inside one 128-row scale block;
+    small M wants many programs in flight (small block_n, or split K). The dispatcher's choices
+    (`quant_matmul.ONE_ROW_TILING`, `MANY_ROWS_TILINGS`) are among them."""
     if fmt == "fp8_block":
-        shapes = [(64, 128, 1, 4, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (64, 128, 4, 4, 4), (32, 128, 4, 4, 3)]
-        gemv = [(32, 128, 4, 4, 3), (16, 128, 4, 4, 3), (32, 128, 8, 4, 3)]
+        shapes = [(64, 256, 1, 4, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (64, 128, 1, 4, 3), (64, 512, 2, 8, 3)]
+        gemv = [(32, 128, 8, 4, 3), (16, 128, 8, 4, 3), (16, 512, 1, 4, 3), (16, 1024, 1, 4, 3), (32, 512, 1, 4, 3),
+                (16, 512, 1, 4, 4), (16, 256, 1, 4, 3)]
     elif fmt == "nvfp4":
         shapes = [(32, 128, 1, 4, 3), (32, 128, 4, 4, 3), (64, 128, 4, 4, 3), (32, 256, 2, 4, 3), (16, 256, 4, 4, 3)]
-        gemv = [(16, 128, 4, 4, 3), (32, 128, 4, 4, 3)]
+        gemv = [(16, 256, 1, 4, 3), (16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (16, 1024, 1, 4, 3), (16, 512, 1, 4, 4),
+                (16, 256, 2, 4, 3), (16, 512, 1, 8, 3)]
     else:
         shapes = [(64, 128, 1, 4, 3), (64, 256, 1, 4, 3), (32, 256, 2, 4, 3), (32, 512, 1, 4, 3),
                   (64, 256, 2, 4, 4), (64, 512, 2, 8, 3), (128, 256, 4, 8, 3), (32, 256, 4, 4, 4)]
-        gemv = [(16, 512, 5, 4, 3), (16, 256, 5, 4, 3), (16, 256, 4, 4, 3), (16, 512, 2, 4, 3), (16, 128, 8, 4, 3)]
+        gemv = [(16, 512, 5, 4, 3), (16, 256, 5, 4, 3), (16, 128, 8, 4, 3), (16, 512, 1, 4, 3), (8, 512, 1, 4, 3),
+                (32, 512, 1, 4, 3), (16, 1024, 1, 4, 3), (16, 256, 1, 4, 4), (16, 512, 1, 2, 3)]
     if M > 8:
         shapes = shapes[:3]
     return [Tiling(*s) for s in shapes] + ([Tiling(*s, gemv=True) for s in gemv] if M == 1 else [])
@@ -114,7 +118,7 @@ def device_us(fn, *args, calls: int = 10) -> tuple[float, dict]:
     return busy_ns(events) / calls / 1e3, kernels
 
 
-def quant_cases(rng, ceiling, rows_tried, shape):
+def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
     """Every format on a weight shape [N, K] at each row count in rows_tried. Each op is timed
     two ways: its GPU time per call from a profiler trace (kernels only: what a GEMV streams at)
     and the mean of a jitted loop (which adds the loop's own overhead, 5-11 µs on the H200)."""
@@ -133,11 +137,11 @@ def quant_cases(rng, ceiling, rows_tried, shape):
                      "bf16_loop_us": matmul_time_us(lambda x: bf16_dot(x, w_bf16), x),
                      "bf16_GB_s": w_bf16.nbytes / bf16_us / 1e3, "ceiling_GB_s": ceiling})
         print(json.dumps(rows[-1]), flush=True)
-        for fmt in FORMATS:
+        for fmt in formats:
             qw = quantize(w, fmt)
             wbytes = sum(a.nbytes for a in (qw.data, qw.scale))
             want = quant_matmul_reference(x.astype(jnp.float32), qw)
-            best = None
+            best, tried = None, {}
             for tiling in tilings(fmt, M):
                 if not tiling.fits(qw):
                     continue
@@ -146,20 +150,23 @@ def quant_cases(rng, ceiling, rows_tried, shape):
                     err = max_rel_error([f(x, qw).astype(jnp.float32)], [want])
                     us, kernels = device_us(f, x, qw)
                 except Exception as e:  # a Triton limit: report it, try the next tile
-                    print(json.dumps({"op": fmt, "M": M, "tiling": str(tiling), "error": str(e)[:200]}), flush=True)
+                    tried[str(dataclasses.astuple(tiling))] = f"error: {str(e)[:300]}"
                     continue
+                tried[str(dataclasses.astuple(tiling))] = round(us, 1)
                 if best is None or us < best["device_us"]:
                     best = {"op": f"quant_matmul_{fmt}", "M": M, "tiling": dataclasses.astuple(tiling), "rel_err": err,
                             "device_us": us, "kernel_us": kernels.get(f"quant_matmul_{fmt}", float("nan")),
                             "kernels": kernels}
-            if best:
+            if best is None:
+                rows.append({"op": f"quant_matmul_{fmt}", "M": M, "tried": tried})
+            else:
                 loop_us = matmul_time_us(functools.partial(quant_matmul_pallas, w=qw, tiling=Tiling(*best["tiling"])), x)
                 of = lambda us: wbytes / us / 1e3 / ceiling
                 best.update(loop_us=loop_us, weight_bytes=wbytes, of_ceiling=of(best["device_us"]),
                             kernel_of_ceiling=of(best["kernel_us"]), loop_of_ceiling=of(loop_us),
-                            vs_bf16=bf16_us / best["device_us"], vs_fp8xfp8=fp8_us / best["device_us"])
+                            vs_bf16=bf16_us / best["device_us"], vs_fp8xfp8=fp8_us / best["device_us"], tried=tried)
                 rows.append(best)
-                print(json.dumps(best), flush=True)
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -206,13 +213,13 @@ def torch_gpu_time(run, calls: int = 5) -> dict:
 
 
 CHUNKED_VARIANTS = {  # name: gdn_chunked_pallas keywords
-    "f32_bv64_s1": dict(operands=jnp.float32, block_v=64, state_stages=1),
-    "bf16_bv64_s1": dict(operands=jnp.bfloat16, block_v=64, state_stages=1),
-    "bf16_bv32_s1": dict(operands=jnp.bfloat16, block_v=32, state_stages=1),
-    "bf16_bv64_s2": dict(operands=jnp.bfloat16, block_v=64, state_stages=2),
-    "bf16_bv32_s3": dict(operands=jnp.bfloat16, block_v=32, state_stages=3),
+    "f32": dict(operands=jnp.float32),
+    "bf16_bv64_s2": dict(operands=jnp.bfloat16, block_v=64, state_stages=2, out_dtype=jnp.bfloat16),
+    "bf16_bv64_s3": dict(operands=jnp.bfloat16, block_v=64, state_stages=3, out_dtype=jnp.bfloat16),
+    "bf16_bv128_s3": dict(operands=jnp.bfloat16, block_v=128, state_stages=3, out_dtype=jnp.bfloat16),
+    "bf16_bv32_s3": dict(operands=jnp.bfloat16, block_v=32, state_stages=3, out_dtype=jnp.bfloat16),
 }
-DISPATCHED_VARIANT = "bf16_bv64_s2"  # what gdn_chunked runs for a bf16 model on the GPU
+DISPATCHED_VARIANT = "bf16_bv64_s3"  # what gdn_chunked runs for a bf16 model on the GPU
 
 
 def call_time_us(fn, args: tuple, reps: int = 20) -> float:
@@ -248,10 +255,10 @@ def chunked_cases(rng, tokens):
             fn = functools.partial(gdn_chunked_pallas, **kw)
             try:
                 row[f"rel_err_{name}"] = max_rel_error(fn(*args), want)
-                row[f"kernel_us_{name}"] = call_time_us(fn, args)
+                row[f"gpu_us_{name}"], row[f"kernels_us_{name}"] = device_us(fn, *args, calls=5)
             except Exception as e:  # a Triton limit on one variant: report it, time the rest
                 row[f"error_{name}"] = str(e)[:300]
-        row[f"gpu_us_{DISPATCHED_VARIANT}"], row[f"kernels_us_{DISPATCHED_VARIANT}"] = device_us(dispatched, *args, calls=5)
+        row[f"wall_us_{DISPATCHED_VARIANT}"] = call_time_us(dispatched, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
     for row, want, (T, args) in zip(rows, wants, cases):
@@ -270,6 +277,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["gdn", "quant", "chunked"], default=None)
     ap.add_argument("--tokens", type=int, nargs="+", default=[130, 4096, 16384], help="chunked prefill lengths")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64], help="quantized matmul activation rows")
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS), help="quantized weight formats")
     ap.add_argument("--shape", type=int, nargs=2, default=[17408, 5120], metavar=("N", "K"),
                     help="quantized matmul weight shape (e.g. 3584 1024, a 0.8B MLP projection)")
     args = ap.parse_args()
@@ -278,7 +286,7 @@ def main() -> None:
     if args.only in (None, "quant"):
         ceiling = hbm_ceiling_GB_s()
         print(json.dumps({"hbm_ceiling_GB_s": ceiling}), flush=True)
-        rows += quant_cases(rng, ceiling, args.rows, tuple(args.shape))
+        rows += quant_cases(rng, ceiling, args.rows, tuple(args.shape), args.formats)
     for nv in (16, 32, 48) if args.only in (None, "gdn") else ():
         for B in (1, 8):
             for T, keep in ((1, False), (2, True), (4, True), (4, False)):
