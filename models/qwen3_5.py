@@ -486,6 +486,7 @@ class GatedDeltaNet(nnx.Module):
             o, _ = gdn_recurrent(q, k, v, decay, beta, state)
             pending = GDNPending(seq, k=k, v=v, decay=decay, beta=beta)
         else:
+            # o comes back in v's dtype (chunked, as HF's) or float32 (recurrent); the norm reads float32
             rule = gdn_chunked if T >= CHUNK else gdn_recurrent
             o, state = rule(q, k, v, decay, beta, state)
             cache = GDNCache(

@@ -138,7 +138,7 @@ def _wy_kernel(k_ref, v_ref, G_ref, beta_ref, u_ref, w_ref, f_ref, *, dt, precis
     """One (row, value head, chunk), all chunks in parallel. With A the strictly lower
     beta k k^T decay of the chunk [C, C]: U = (I + A)^-1 beta v [C, dv] and W = (I + A)^-1 beta
     exp(G) k [C, dk], k L2-normalised; and f [C], each key's norm and decay to the chunk's end,
-    rsqrt(|k|^2) exp(G_last - G), by which the state walk scales v_new instead of storing keys.
+    rsqrt(|k|^2 + eps) exp(G_last - G), by which the state walk scales v_new instead of storing keys.
     """
     k = k_ref[...].astype(jnp.float32)
     inv_norm = jax.lax.rsqrt(jnp.sum(k * k, axis=1) + L2_EPS)

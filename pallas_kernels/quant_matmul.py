@@ -13,9 +13,9 @@ elsewhere. The kernel runs one program per block of BN output channels (and per 
 is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
 float32. A single activation row (decode at batch 1) is contracted by multiply-and-sum; more rows
 by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). On the GPU the int8 and e2m1
-decodes are inline PTX (bit tricks that keep the conversion unit out of the loop). At one row on
-the H200 this streams 82-88% of the measured HBM ceiling for int8 / fp8 / fp8 blocks and 31% for
-NVFP4 (BENCHMARKS.md).
+decodes are inline PTX bit tricks (int8 without the int-to-float converter; e2m1 transcoded to
+e4m3, which the GPU widens two at a time). At one row on the H200 this streams 81-83% of the
+measured HBM ceiling for int8, 83-88% for fp8 / fp8 blocks and 31% for NVFP4 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -268,12 +268,13 @@ class Tiling:
     gemv: bool = False
 
     def fits(self, w: "QuantizedWeight") -> bool:
-        """The tiles divide the weight; for fp8 blocks a tile's rows also stay inside one 128-row
-        scale block, and its columns span whole 128-column blocks or sit inside one."""
+        """Power-of-two tiles (Triton's blocks) that divide the weight; for fp8 blocks a tile's rows
+        also stay inside one 128-row scale block (its columns then span whole 128-column blocks or
+        sit inside one)."""
         N, K = w.shape
-        bk = self.block_k
-        scale_aligned = w.format != "fp8_block" or (BLOCK % self.block_n == 0 and (bk % BLOCK == 0 or BLOCK % bk == 0))
-        return N % self.block_n == 0 and K % (bk * self.split_k) == 0 and scale_aligned
+        pow2 = all(b == next_pow2(b) for b in (self.block_n, self.block_k))
+        rows_in_scale_block = w.format != "fp8_block" or BLOCK % self.block_n == 0
+        return pow2 and N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0 and rows_in_scale_block
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
@@ -314,9 +315,10 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# The fastest tilings on the H200 (27B MLP matrix [17408, 5120], BENCHMARKS.md): one tiling for
-# a single activation row (decode at batch 1: multiply-and-sum, K unsplit, so no partial sums to
-# add), and one per format for 2 to 64 rows.
+# Tilings measured on the H200 (27B MLP matrix [17408, 5120], BENCHMARKS.md): the fastest for a
+# single activation row (decode at batch 1: multiply-and-sum, K unsplit, so no partial sums to
+# add) in every format, and per format one for 2 to 64 rows, a compromise (at 8 rows int8's best
+# was (32, 256, 2) at 32.5 against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at 69 against 75).
 ONE_ROW_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),

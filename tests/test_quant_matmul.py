@@ -120,7 +120,8 @@ def test_fp8_block_tile_rows_stay_inside_one_scale_block():
     w = quantize(np.ones((256, 256), np.float32), "fp8_block")
     with pytest.raises(ValueError, match="fp8_block also block_n \\| 128"):
         quant_matmul_pallas(jnp.zeros((1, 256), jnp.bfloat16), w, tiling=Tiling(256, 128, 1, gemv=True), interpret=True)
-    assert not Tiling(16, 192).fits(w)  # 192 columns: neither whole 128-column blocks nor inside one
+    assert not Tiling(16, 192).fits(quantize(np.ones((256, 384), np.float32), "int8"))  # Triton: powers of two
+    assert Tiling(128, 256).fits(w)  # rows: one scale block; columns: two whole ones
 
 
 def test_nvfp4_one_row_takes_the_gemv_too():
@@ -152,3 +153,54 @@ def test_unknown_format():
 
 def test_fp8_dtype_is_e4m3fn():
     assert quantize(np.ones((4, 32), np.float32), "fp8").data.dtype == ml_dtypes.float8_e4m3fn
+
+
+def run_ptx(asm: str, inputs: dict[int, int]) -> dict[int, int]:
+    """A tiny interpreter for the integer / float32 PTX the GPU decodes use (xor, and, or, shl,
+    shr, prmt, mov, sub.f32 on 32-bit registers), so their bit recipes are checked on the CPU."""
+    regs = {f"${n}": v for n, v in inputs.items()}
+    value = lambda t: regs[t] if t in regs else int(t[2:], 16) if t.startswith("0f") else int(t, 0)
+    as_f32 = lambda u: np.array([u], np.uint32).view(np.float32)[0]
+    as_u32 = lambda f: int(np.array([f], np.float32).view(np.uint32)[0])
+
+    def prmt(a, b, sel):
+        pool = (b << 32 | a).to_bytes(8, "little")
+        out = 0
+        for i in range(4):
+            s = sel >> 4 * i & 15
+            byte = pool[s & 7]
+            out |= ((0xFF if byte & 0x80 else 0) if s & 8 else byte) << 8 * i
+        return out
+
+    ops = {"xor": lambda a, b: a ^ b, "and": lambda a, b: a & b, "or": lambda a, b: a | b,
+           "shl": lambda a, b: a << b & 0xFFFFFFFF, "shr": lambda a, b: a >> b, "prmt": prmt, "mov": lambda a: a,
+           "sub": lambda a, b: as_u32(as_f32(a) - as_f32(b))}
+    for stmt in asm.replace("{", "").replace("}", "").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        dst, *srcs = [a.strip() for a in args.split(",")]
+        regs[dst] = ops[op.split(".")[0]](*map(value, srcs))
+    return regs
+
+
+def test_int8_ptx_turns_every_byte_into_its_float():
+    from pallas_kernels.quant_matmul import _INT8_TO_F32_PTX
+
+    rng = np.random.default_rng(0)
+    for word in [0x80FF007F, 0x01020304, *rng.integers(0, 2**32, 64).tolist()]:  # 4 int8 values, element i in byte i
+        regs = run_ptx(_INT8_TO_F32_PTX, {4: word})
+        want = np.array([word], np.uint32).view(np.int8).astype(np.float32)
+        got = np.array([regs[f"${i}"] for i in range(4)], np.uint32).view(np.float32)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_e2m1_ptx_transcodes_every_code_to_e4m3_times_2_to_the_minus_6():
+    from pallas_kernels.quant_matmul import _E2M1_TO_E4M3_PTX, E2M1_IN_E4M3, decode_e2m1
+
+    packed = np.arange(256, dtype=np.uint8)  # every byte: low nibble the even column, high the odd
+    for asm, codes in zip(_E2M1_TO_E4M3_PTX, (packed & 15, packed >> 4)):
+        out = np.array([run_ptx(asm, {1: int(w)})["$0"] for w in packed.view(np.uint32)], np.uint32)
+        got = out.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * E2M1_IN_E4M3
+        np.testing.assert_array_equal(got, np.asarray(decode_e2m1(jnp.asarray(codes))))
