@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.gdn_common import L2_EPS, prepare_qk
+from pallas_kernels.gdn_common import inverse_norm, l2norm, prepare_qk
 from pallas_kernels.gdn_recurrent import next_pow2
 
 CHUNK = 64
@@ -93,12 +93,6 @@ def _dot(a, b, dt, precision):
     return jax.lax.dot(a.astype(dt), b.astype(dt), preferred_element_type=jnp.float32)
 
 
-def _normalise_rows(x):
-    """Rows of x [C, d] L2-normalised in float32 (the kernels fuse the q/k norm)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
-
-
 def _decay(Gi, Gj, diagonal: bool, strict: bool):
     """exp(G_i - G_j) [len(Gi), len(Gj)]; on a diagonal block only j <= i (j < i if strict) is
     kept, masked before exp so the upper triangle cannot overflow."""
@@ -141,7 +135,7 @@ def _wy_kernel(k_ref, v_ref, G_ref, beta_ref, u_ref, w_ref, f_ref, *, dt, precis
     rsqrt(|k|^2 + eps) exp(G_last - G), by which the state walk scales v_new instead of storing keys.
     """
     k = k_ref[...].astype(jnp.float32)
-    inv_norm = jax.lax.rsqrt(jnp.sum(k * k, axis=1) + L2_EPS)
+    inv_norm = inverse_norm(k)
     k = k * inv_norm[:, None]
     G, beta = G_ref[...], beta_ref[...]
     A = beta[:, None] * _dot(k, k.T, dt, precision) * _decay(G, G, True, strict=True)
@@ -171,8 +165,8 @@ def _state_kernel(u_ref, w_ref, k_ref, f_ref, G_ref, s0_ref, h_ref, v_new_ref, s
 def _output_kernel(q_ref, k_ref, G_ref, h_ref, v_new_ref, o_ref, *, dt, precision):
     """One (row, value head, chunk), all chunks in parallel: the state's part q exp(G) h plus the
     chunk's own causal part (q k^T decay) v_new."""
-    q = _normalise_rows(q_ref[...]) * q_ref.shape[-1] ** -0.5
-    k = _normalise_rows(k_ref[...])
+    q = l2norm(q_ref[...]) * q_ref.shape[-1] ** -0.5
+    k = l2norm(k_ref[...])
     G = G_ref[...]
     intra = _dot(q, k.T, dt, precision) * _decay(G, G, True, strict=False)
     o = _dot(q * jnp.exp(G)[:, None], h_ref[...], dt, precision) + _dot(intra, v_new_ref[...], dt, precision)

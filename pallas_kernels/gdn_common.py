@@ -6,10 +6,15 @@ import jax.numpy as jnp
 L2_EPS = 1e-6  # the same eps HF and flash-linear-attention use in their l2norm
 
 
+def inverse_norm(x: jax.Array) -> jax.Array:
+    """rsqrt(sum(x^2) + eps) over the last axis of float32 x (the last axis dropped)."""
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=-1) + L2_EPS)
+
+
 def l2norm(x: jax.Array) -> jax.Array:
     """x * rsqrt(sum(x^2) + eps) over the last axis, in float32."""
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+    return x * inverse_norm(x)[..., None]
 
 
 def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array, jax.Array]:

@@ -103,6 +103,13 @@ def test_chunked_kernel_refuses_value_blocks_that_do_not_divide_dv():
         gdn_chunked_pallas(*inputs(64, B=1, nk=1, nv=2, dk=16, dv=24), block_v=16, interpret=True)
 
 
+def strictly_lower_system(r, C: int, corr: float) -> np.ndarray:
+    """A chunk's A = beta k k^T below the diagonal (no decay), for C unit keys `corr` alike."""
+    k = corr * r.normal(size=(1, 128)) + (1 - corr) * r.normal(size=(C, 128))
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    return np.tril(r.uniform(0.5, 1.0, size=(C, 1)) * (k @ k.T), -1)
+
+
 @pytest.mark.parametrize("corr", [0.0, 0.95])
 @pytest.mark.parametrize("C", [64, 32, 16])
 def test_triangular_inverse_by_products_equals_substitution(C, corr):
@@ -110,11 +117,7 @@ def test_triangular_inverse_by_products_equals_substitution(C, corr):
     95% alike (A's entries near beta), where an unblocked Neumann series would lose everything."""
     from pallas_kernels.gdn_chunked import _invert_unit_lower
 
-    r = np.random.default_rng(C)
-    k = corr * r.normal(size=(1, 128)) + (1 - corr) * r.normal(size=(C, 128))
-    k /= np.linalg.norm(k, axis=1, keepdims=True)
-    beta = r.uniform(0.5, 1.0, size=(C, 1))
-    A = jnp.asarray(np.tril(beta * (k @ k.T), -1), jnp.float32)
+    A = jnp.asarray(strictly_lower_system(np.random.default_rng(C), C, corr), jnp.float32)
     dot = lambda a, b: jnp.dot(a, b, precision="highest")
     got = _invert_unit_lower(A, dot)
     want = jax.scipy.linalg.solve_triangular(jnp.eye(C) + A, jnp.eye(C), lower=True, unit_diagonal=True)
@@ -147,9 +150,7 @@ def test_triangular_inverse_keeps_tf32_rounding_under_bf16s():
     dot = lambda a, b: jnp.dot(tf32(a), tf32(b), precision="highest")
     r = np.random.default_rng(1)
     for corr in (0.0, 0.5, 0.9, 0.99):
-        k = corr * r.normal(size=(1, 128)) + (1 - corr) * r.normal(size=(64, 128))
-        k /= np.linalg.norm(k, axis=1, keepdims=True)
-        A = np.tril(r.uniform(0.5, 1.0, size=(64, 1)) * (k @ k.T), -1)
+        A = strictly_lower_system(r, 64, corr)
         v = r.normal(size=(64, 128))
         got = _invert_unit_lower(jnp.asarray(A, jnp.float32), dot) @ v
         assert rel(got, np.linalg.solve(np.eye(64) + A, v)) < 2e-3
