@@ -84,23 +84,23 @@ def matmul_time_us(f, x, reps=200):
 
 
 def tilings(fmt: str, M: int) -> list[Tiling]:
-    """Tilings to try: (block_n, block_k, split_k, warps, stages), and for one row the
-    multiply-and-sum GEMV ones. An fp8-block tile's rows stay inside one 128-row scale block;
-    small M wants many programs in flight (small block_n, or split K). The dispatcher's choices
-    (`quant_matmul.ONE_ROW_TILING`, `MANY_ROWS_TILINGS`) are among them."""
+    """Tilings to try: (block_n, block_k, split_k, warps, stages), and for one row the GEMV ones
+    (packed halves for int8, fp8 and NVFP4, K unsplit; multiply-and-sum for fp8 blocks). An
+    fp8-block tile's rows stay inside one 128-row scale block; small M wants many programs in
+    flight (small block_n, or split K). The dispatcher's choices (`quant_matmul.ONE_ROW_TILINGS`,
+    `MANY_ROWS_TILINGS`) are among them."""
     if fmt == "fp8_block":
         shapes = [(64, 256, 1, 4, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (64, 128, 1, 4, 3), (64, 512, 2, 8, 3)]
-        gemv = [(32, 128, 8, 4, 3), (16, 128, 8, 4, 3), (16, 512, 1, 4, 3), (16, 1024, 1, 4, 3), (32, 512, 1, 4, 3),
-                (16, 512, 1, 4, 4), (16, 256, 1, 4, 3)]
+        gemv = [(16, 512, 1, 4, 3), (16, 256, 1, 4, 3), (32, 512, 1, 4, 3), (16, 1024, 1, 4, 3)]
     elif fmt == "nvfp4":
         shapes = [(32, 128, 1, 4, 3), (32, 128, 4, 4, 3), (64, 128, 4, 4, 3), (32, 256, 2, 4, 3), (16, 256, 4, 4, 3)]
-        gemv = [(16, 256, 1, 4, 3), (16, 512, 1, 4, 3), (32, 256, 1, 4, 3), (16, 1024, 1, 4, 3), (16, 512, 1, 4, 4),
-                (16, 256, 2, 4, 3), (16, 512, 1, 8, 3)]
+        gemv = [(16, 512, 1, 4, 3), (16, 256, 1, 4, 3), (8, 512, 1, 4, 3), (16, 512, 1, 4, 4), (16, 1024, 1, 4, 3),
+                (16, 512, 1, 8, 3)]
     else:
         shapes = [(64, 128, 1, 4, 3), (64, 256, 1, 4, 3), (32, 256, 2, 4, 3), (32, 512, 1, 4, 3),
                   (64, 256, 2, 4, 4), (64, 512, 2, 8, 3), (128, 256, 4, 8, 3), (32, 256, 4, 4, 4)]
-        gemv = [(16, 512, 5, 4, 3), (16, 256, 5, 4, 3), (16, 128, 8, 4, 3), (16, 512, 1, 4, 3), (8, 512, 1, 4, 3),
-                (32, 512, 1, 4, 3), (16, 1024, 1, 4, 3), (16, 256, 1, 4, 4), (16, 512, 1, 2, 3)]
+        gemv = [(16, 256, 1, 4, 3), (16, 128, 1, 4, 3), (16, 512, 1, 4, 3), (8, 256, 1, 4, 3), (16, 256, 1, 4, 4),
+                (16, 256, 1, 8, 3)]
     if M > 8:
         shapes = shapes[:3]
     return [Tiling(*s) for s in shapes] + ([Tiling(*s, gemv=True) for s in gemv] if M == 1 else [])

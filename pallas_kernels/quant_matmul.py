@@ -122,19 +122,22 @@ def quant_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 # ----------------------------------------------------------------------------- Pallas kernel
 
 
-def _load_step(x_ref, x_odd_ref, w_ref, s_ref, n0, k0, *, fmt: str, bn: int, bk: int) -> tuple:
-    """One K step's operands as stored: activations [Mp, bk] (nvfp4: even and odd columns, each
-    [Mp, bk/2]) and the weight tile [bn, bk] still quantized, with its block scales if any."""
+def _load_step(x_ref, x_odd_ref, w_ref, s_ref, n0, step, *, fmt: str, bn: int, bk: int) -> tuple:
+    """K step `step`'s operands as stored: activations [Mp, bk] (nvfp4: even and odd columns, each
+    [Mp, bk/2]) and the weight tile [bn, bk] still quantized, with its block scales if any.
+
+    Offsets are products of the step index, never quotients: Triton's alignment analysis then
+    proves the tile contiguous and aligned, so it loads 16 bytes a thread instead of one."""
     if fmt == "nvfp4":
-        half = pl.ds(k0 // 2, bk // 2)
+        half = pl.ds(step * (bk // 2), bk // 2)
         return (x_ref[:, half], x_odd_ref[:, half], w_ref[pl.ds(n0, bn), half],
-                s_ref[pl.ds(n0, bn), pl.ds(k0 // GROUP, bk // GROUP)])
-    step = (x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(n0, bn), pl.ds(k0, bk)])
+                s_ref[pl.ds(n0, bn), pl.ds(step * (bk // GROUP), bk // GROUP)])
+    tile = (x_ref[:, pl.ds(step * bk, bk)], w_ref[pl.ds(n0, bn), pl.ds(step * bk, bk)])
     if fmt != "fp8_block":
-        return step
+        return tile
     if bk <= BLOCK:  # the K tile sits inside one 128-column scale block: one scale
-        return step + (s_ref[n0 // BLOCK, k0 // BLOCK],)
-    return step + (s_ref[n0 // BLOCK, pl.ds(k0 // BLOCK, bk // BLOCK)],)  # or spans whole blocks
+        return tile + (s_ref[n0 // BLOCK, step // (BLOCK // bk)],)
+    return tile + (s_ref[n0 // BLOCK, pl.ds(step * (bk // BLOCK), bk // BLOCK)],)  # or spans whole blocks
 
 
 # Inline PTX for the decodes a GEMV is bound by on the GPU (interpret mode runs the jnp forms).
@@ -212,39 +215,168 @@ def _dequantized_pairs(step: tuple, g, *, fmt: str, ptx: bool) -> list[tuple[jax
     return [(x_even, even * scales, None), (x_odd, odd * scales, None)]
 
 
-def _contract(acc: jax.Array, x: jax.Array, w: jax.Array, scale: jax.Array | None, keep_products: bool) -> jax.Array:
+def _contract(acc: jax.Array, x: jax.Array, w: jax.Array, scale: jax.Array | None) -> jax.Array:
     """acc + scale x [Mp, k] w [bn, k]^T. More than one row: a bf16 tensor-core dot into acc
-    [Mp, bn]. One row (a dot would pad it to 16): float32 products, summed over k into acc [1, bn]
-    each step, or with keep_products added elementwise into acc [bn, k] (summed after the loop)."""
+    [Mp, bn]. One row (a dot would pad it to 16): float32 products summed over k into acc [1, bn]."""
     if x.shape[0] > 1:
         part = jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32)
         return acc + (part if scale is None else scale * part)
     products = w * (x.astype(jnp.float32) if scale is None else x.astype(jnp.float32) * scale)
-    return acc + (products if keep_products else jnp.sum(products, axis=1)[None, :])
+    return acc + jnp.sum(products, axis=1)[None, :]
 
 
 def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bk: int, k_steps: int, ptx: bool):
     """Program (i, j): output columns [i bn, (i + 1) bn) over the j-th of the split K ranges."""
     n0 = pl.program_id(0) * bn
-    k_first = pl.program_id(1) * k_steps * bk
-
-    # One row of NVFP4 keeps its products until the loop ends (41 against 88 us on the H200); the
-    # other formats measured faster summing each step (27.7 against 30.8 us, int8).
-    products_kept = x_ref.shape[0] == 1 and fmt == "nvfp4"
+    first_step = pl.program_id(1) * k_steps
 
     def body(i, acc):
-        step = _load_step(x_ref, x_odd_ref, w_ref, s_ref, n0, k_first + i * bk, fmt=fmt, bn=bn, bk=bk)
-        for x, w, scale in _dequantized_pairs(step, g_ref[0], fmt=fmt, ptx=ptx):
-            acc = _contract(acc, x, w, scale, products_kept)
+        tile = _load_step(x_ref, x_odd_ref, w_ref, s_ref, n0, first_step + i, fmt=fmt, bn=bn, bk=bk)
+        for x, w, scale in _dequantized_pairs(tile, g_ref[0], fmt=fmt, ptx=ptx):
+            acc = _contract(acc, x, w, scale)
         return acc
 
-    acc = jnp.zeros((bn, bk // 2) if products_kept else (x_ref.shape[0], bn), jnp.float32)
-    acc = jax.lax.fori_loop(0, k_steps, body, acc)
-    if products_kept:
-        acc = jnp.sum(acc, axis=1)[None, :]
+    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], bn), jnp.float32))
     if fmt in ("int8", "fp8"):
         acc = acc * s_ref[pl.ds(n0, bn)][None, :]
     o_ref[...] = acc.astype(o_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- one row: packed halves
+
+# One activation row (decode at batch 1) of int8, fp8 or NVFP4 weights. Multiply-and-sum in float32
+# costs 5 or more instructions a weight, and the H200 runs out of instruction issue before HBM runs
+# out of bytes. Here one inline-PTX call takes two 32-bit weight words, decodes them straight into
+# f16 pairs, multiplies them with f16 activation pairs two at a time (fma.f16x2) and adds the sum,
+# in float32, to that word pair's accumulator: about 3 instructions a weight. f16 keeps the products
+# and their short sums (4 or 8 terms a lane) to 2^-11 when the activation row is first scaled by a
+# power of two, its largest |x| into [2^(T-1), 2^T): high enough that small values keep their bits,
+# low enough that no sum leaves f16's range (T below; the bound is terms x max |weight| x 2^T).
+HALF_FORMATS = ("int8", "fp8", "nvfp4")
+X_TOP_EXPONENT = {"int8": 6, "fp8": 5, "nvfp4": 15}  # 4 x 128 x 2^6, 4 x 448 x 2^5, 8 x 6/64 x 2^15 < 65504
+VALUES_PER_WORD = {"int8": 4, "fp8": 4, "nvfp4": 8}
+
+# Operands of every call: $0 $1 the two words' accumulators out; $2 $3 the weight words; then the
+# activation pair words, two per array (one for each weight word), the group scale (nvfp4) and the
+# two accumulators in. int8 and fp8 words hold 4 values; activation arrays A, B hold pairs (0, 1)
+# and (2, 3) of each word. The sum of all products goes to the first accumulator.
+_PAIR_PRODUCTS = """mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p; fma.rn.f16x2 p, h2, $5, p; fma.rn.f16x2 p, h3, $7, p;
+mov.b32 {a, b}, p; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 fa, fa, fb; add.f32 $0, $8, fa; mov.b32 $1, $9;
+}"""
+_HALF_REGS = "{\n.reg .b32 t, u, m, p, q, h<8>, e<4>;\n.reg .b16 l<8>;\n.reg .f16 a, b;\n.reg .f32 fa, fb;\n"
+# int8: the byte, sign bit flipped, becomes the low byte of f16 1024 + (x + 128); subtracting 1152 leaves x.
+_INT8_HALF_PTX = _HALF_REGS + """mov.b32 m, 0x64806480;
+xor.b32 t, $2, 0x80808080; prmt.b32 h0, t, 0x64646464, 0x4140; prmt.b32 h1, t, 0x64646464, 0x4342;
+xor.b32 t, $3, 0x80808080; prmt.b32 h2, t, 0x64646464, 0x4140; prmt.b32 h3, t, 0x64646464, 0x4342;
+sub.f16x2 h0, h0, m; sub.f16x2 h1, h1, m; sub.f16x2 h2, h2, m; sub.f16x2 h3, h3, m;
+""" + _PAIR_PRODUCTS
+_FP8_HALF_PTX = _HALF_REGS + """mov.b32 {l0, l1}, $2; mov.b32 {l2, l3}, $3;
+cvt.rn.f16x2.e4m3x2 h0, l0; cvt.rn.f16x2.e4m3x2 h1, l1; cvt.rn.f16x2.e4m3x2 h2, l2; cvt.rn.f16x2.e4m3x2 h3, l3;
+""" + _PAIR_PRODUCTS
+# NVFP4: two words are one 16-value group. Each word's low nibbles (values 0, 2, 4, 6) and high ones
+# (1, 3, 5, 7) are transcoded to e4m3 as in _E2M1_TO_E4M3_PTX (times 2^-6), widened to f16 pairs and
+# met by activation arrays A (values 0, 2), B (4, 6), C (1, 3), D (5, 7); $12 is the group's scale.
+_NVFP4_HALF_PTX = _HALF_REGS + "\n".join(
+    f"shl.b32 t, {w}, 4; and.b32 t, t, 0x80808080; shl.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 e{2 * i}, t, u;\n"
+    f"shr.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; and.b32 t, {w}, 0x80808080; or.b32 e{2 * i + 1}, t, u;"
+    for i, w in enumerate(("$2", "$3"))) + """
+mov.b32 {l0, l1}, e0; mov.b32 {l2, l3}, e1; mov.b32 {l4, l5}, e2; mov.b32 {l6, l7}, e3;
+cvt.rn.f16x2.e4m3x2 h0, l0; cvt.rn.f16x2.e4m3x2 h1, l1; cvt.rn.f16x2.e4m3x2 h2, l2; cvt.rn.f16x2.e4m3x2 h3, l3;
+cvt.rn.f16x2.e4m3x2 h4, l4; cvt.rn.f16x2.e4m3x2 h5, l5; cvt.rn.f16x2.e4m3x2 h6, l6; cvt.rn.f16x2.e4m3x2 h7, l7;
+mul.f16x2 p, h0, $4; mul.f16x2 q, h1, $6; fma.rn.f16x2 p, h2, $8, p; fma.rn.f16x2 q, h3, $10, q;
+fma.rn.f16x2 p, h4, $5, p; fma.rn.f16x2 q, h5, $7, q; fma.rn.f16x2 p, h6, $9, p; fma.rn.f16x2 q, h7, $11, q;
+add.rn.f16x2 p, p, q; mov.b32 {a, b}, p; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 fa, fa, fb;
+fma.rn.f32 $0, fa, $12, $14; mov.b32 $1, $15;
+}"""
+_HALF_PTX = {"int8": _INT8_HALF_PTX, "fp8": _FP8_HALF_PTX, "nvfp4": _NVFP4_HALF_PTX}
+
+
+def half_word_sums(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array | None) -> jax.Array:
+    """What the PTX adds for each weight word, in float32 arithmetic (the CPU's form): words int32
+    [..., W], x_pairs the f16-pair words (bitcast to int32) [..., W], scale [..., W] or None -> [..., W]."""
+    x = [jax.lax.bitcast_convert_type(a, jnp.float16).astype(jnp.float32) for a in x_pairs]  # [..., W, 2] each
+    if fmt == "int8":
+        values = jax.lax.bitcast_convert_type(words, jnp.int8).astype(jnp.float32)
+    elif fmt == "fp8":
+        values = jax.lax.bitcast_convert_type(words, FP8).astype(jnp.float32)
+    if fmt != "nvfp4":
+        return jnp.sum(values * jnp.concatenate(x, axis=-1), axis=-1)
+    codes = jax.lax.bitcast_convert_type(words, jnp.uint8)  # [..., W, 4]: byte b holds values 2b, 2b + 1
+    low, high = decode_e2m1(codes & 15) / E2M1_IN_E4M3, decode_e2m1(codes >> 4) / E2M1_IN_E4M3
+    a, b, c, d = x
+    sums = jnp.sum(low * jnp.concatenate([a, b], -1) + high * jnp.concatenate([c, d], -1), axis=-1)
+    return sums * scale
+
+
+def _half_products(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array | None,
+                   acc: jax.Array, ptx: bool) -> jax.Array:
+    """acc [bn, bw] plus each weight word pair's products (the PTX on the GPU)."""
+    if not ptx:
+        return acc + half_word_sums(fmt, words, x_pairs, scale)
+    args = [words, *x_pairs, *([] if scale is None else [scale]), acc]
+    constraints = ",".join(["=f,=f"] + ["r,r"] * (1 + len(x_pairs)) + ["f,f"] * (len(args) - 1 - len(x_pairs)))
+    [out] = plt.elementwise_inline_asm(_HALF_PTX[fmt], args=args, constraints=constraints, pack=2,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, jnp.float32)])
+    return out
+
+
+def _half_gemv_kernel(x_ref, w_ref, s_ref, post_ref, o_ref, *, fmt: str, bn: int, bw: int, k_steps: int, ptx: bool):
+    """Program i: output columns [i bn, (i + 1) bn) of the one row. One float32 accumulator a weight
+    word [bn, bw] (the PTX fills every other one), summed after the K loop."""
+    n0 = pl.program_id(0) * bn
+
+    def body(i, acc):
+        cols = pl.ds(i * bw, bw)
+        x_pairs = [jnp.broadcast_to(x_ref[pl.ds(j, 1), cols], (bn, bw)) for j in range(x_ref.shape[0])]
+        scale = None
+        if fmt == "nvfp4":  # each group's scale, once for each of its two words
+            groups = i * (bw // 2) + jnp.arange(bw) // 2
+            scale = s_ref[n0 + jnp.arange(bn)[:, None], groups[None, :]].astype(jnp.float32)
+        return _half_products(fmt, w_ref[pl.ds(n0, bn), cols], x_pairs, scale, acc, ptx)
+
+    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bn, bw), jnp.float32))
+    out = jnp.sum(acc, axis=1) * post_ref[0]
+    if fmt != "nvfp4":
+        out = out * s_ref[pl.ds(n0, bn)]
+    o_ref[...] = out[None, :].astype(o_ref.dtype)
+
+
+def half_operands(x: jax.Array, w: "QuantizedWeight") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One row x [1, K] -> (activation pair words [2 or 4, W] int32: x scaled by a power of two,
+    in f16, paired as the PTX meets them; the weight words [N, W] int32; the factor [1] float32 that
+    scales the sums back, with NVFP4's global scale and 2^6)."""
+    N, K = w.shape
+    per_word = VALUES_PER_WORD[w.format]
+    x32 = x[0].astype(jnp.float32)
+    _, top = jnp.frexp(jnp.max(jnp.abs(x32)))
+    shift = X_TOP_EXPONENT[w.format] - top  # exact: x and 2^shift are powers-of-two apart
+    x16 = jnp.ldexp(x32, shift).astype(jnp.float16).reshape(K // per_word, per_word // 4, 2, 2)
+    if w.format == "nvfp4":  # [word, byte pair, byte, nibble]: A B hold the low nibbles' values, C D the high
+        pairs = [x16[:, bp, :, nibble] for nibble in range(2) for bp in range(2)]
+    else:  # [word, 1, pair, value]: A values (0, 1), B (2, 3)
+        pairs = [x16[:, 0, 0], x16[:, 0, 1]]
+    x_words = jnp.stack([jax.lax.bitcast_convert_type(p, jnp.int32) for p in pairs])
+    codes = w.data.reshape(N, K // per_word, 4)
+    words = jax.lax.bitcast_convert_type(codes, jnp.int32)
+    post = jnp.ldexp(jnp.float32(1), -shift) * (w.global_scale * E2M1_IN_E4M3 if w.format == "nvfp4" else 1)
+    return x_words, words, jnp.reshape(post, (1,)).astype(jnp.float32)
+
+
+def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool) -> jax.Array:
+    """The packed-half kernel on one row x [1, K] -> [1, N] in x's dtype."""
+    N, K = w.shape
+    x_words, words, post = half_operands(x, w)
+    bw = t.block_k // VALUES_PER_WORD[w.format]
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
+    args = (x_words, words, w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32), post)
+    kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, bw=bw, k_steps=K // t.block_k,
+                               ptx=not interpret)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((1, N), x.dtype), grid=(N // t.block_n,),
+        in_specs=[whole(a) for a in args], out_specs=pl.BlockSpec((1, t.block_n), lambda i: (0, i)),
+        compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        interpret=interpret, name=f"quant_gemv_{w.format}",
+    )(*args)
 
 
 def next_pow2(n: int) -> int:
@@ -255,8 +387,9 @@ def next_pow2(n: int) -> int:
 class Tiling:
     """How the kernel cuts the work: block_n output columns per program, block_k of K per loop
     step, K split over split_k programs (partial sums added after), Triton's warps and stages;
-    with gemv, a single activation row is contracted by multiply-and-sum instead of a
-    tensor-core dot on rows padded to 16."""
+    with gemv, a single activation row is contracted without a tensor-core dot on rows padded to
+    16: by packed f16 pairs (HALF_FORMATS; K unsplit, block_k at least two weight words), by
+    float32 multiply-and-sum (fp8 blocks)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -272,7 +405,9 @@ class Tiling:
         N, K = w.shape
         pow2 = all(b == next_pow2(b) for b in (self.block_n, self.block_k))
         rows_in_scale_block = w.format != "fp8_block" or BLOCK % self.block_n == 0
-        return pow2 and N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0 and rows_in_scale_block
+        half = not self.gemv or w.format not in HALF_FORMATS or (
+            self.split_k == 1 and self.block_k >= 2 * VALUES_PER_WORD[w.format])
+        return pow2 and N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0 and rows_in_scale_block and half
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
@@ -287,7 +422,10 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     t = tiling
     if not t.fits(w):  # a tile past the edge would read and write out of bounds, silently
         raise ValueError(f"tiling {t} does not divide a [{N}, {K}] {w.format} weight (block_n | N, "
-                         f"block_k * split_k | K; fp8_block also block_n | 128 and block_k | 128)")
+                         f"block_k * split_k | K; fp8_block also block_n | 128 and block_k | 128; a "
+                         f"packed-half GEMV split_k = 1 and two weight words a step)")
+    if M == 1 and t.gemv and w.format in HALF_FORMATS:
+        return _half_gemv(x, w, t, interpret)
     Mp = 1 if M == 1 and t.gemv else max(16, next_pow2(M))
     xb = jnp.pad(x.astype(jnp.bfloat16), ((0, Mp - M), (0, 0)))
     if w.format == "nvfp4":
@@ -313,18 +451,24 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# Tilings measured on the H200 (27B MLP matrix [17408, 5120], BENCHMARKS.md): the fastest for a
-# single activation row (decode at batch 1: multiply-and-sum, K unsplit, so no partial sums to
-# add) in every format, and per format one for 2 to 64 rows, a compromise (at 8 rows int8's best
-# was (32, 256, 2) at 32.5 against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at 69 against 75).
-ONE_ROW_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)
+# Tilings measured on the H200 (27B MLP matrix [17408, 5120], BENCHMARKS.md): per format the
+# fastest for a single activation row (decode at batch 1; K unsplit, so no partial sums to add; 64
+# weight words a step for the packed-half GEMV), and one for 2 to 64 rows, a compromise (at 8 rows
+# int8's best was (32, 256, 2) at 32.5 against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at
+# 69 against 75).
+ONE_ROW_TILINGS = {
+    "int8": Tiling(16, 256, 1, 4, 3, gemv=True),
+    "fp8": Tiling(16, 256, 1, 4, 3, gemv=True),
+    "fp8_block": Tiling(16, 512, 1, 4, 3, gemv=True),
+    "nvfp4": Tiling(16, 512, 1, 4, 3, gemv=True),
+}
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),
     "fp8": Tiling(64, 256, 1, 4, 3),
     "fp8_block": Tiling(64, 128, 2, 4, 3),
     "nvfp4": Tiling(64, 128, 4, 4, 3),
 }
-GEMV_FALLBACK = Tiling(16, 128, 1, 4, 3, gemv=True)  # one row where 512 does not divide K (128 does)
+GEMV_FALLBACK = Tiling(16, 128, 1, 4, 3, gemv=True)  # one row where those do not divide K (128 does)
 
 
 def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
@@ -332,7 +476,7 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
     default that does, else None (more than 64 rows, or a shape no tiling divides)."""
     if x.shape[0] > 64:
         return None
-    tried = (ONE_ROW_TILING, GEMV_FALLBACK) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
+    tried = (ONE_ROW_TILINGS[w.format], GEMV_FALLBACK) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
     return next((t for t in (*tried, Tiling()) if t.fits(w)), None)
 
 

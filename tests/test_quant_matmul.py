@@ -1,6 +1,7 @@
 """Quantized matmuls: the formats' dequantization, and the Pallas kernel in interpret mode against
 dequantize-then-dot (bf16 output, ~2e-3 relative)."""
 
+import re
 import warnings
 
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from pallas_kernels.quant_matmul import (
     FORMATS,
     GEMV_FALLBACK,
     MANY_ROWS_TILINGS,
-    ONE_ROW_TILING,
+    ONE_ROW_TILINGS,
     QuantizedWeight,
     decode_e2m1,
     dequantize,
@@ -63,7 +64,8 @@ def test_quantization_error_is_what_the_format_allows(fmt, tol):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M, gemv", [(1, False), (1, True), (3, True), (16, False)])
 def test_kernel_matches_dequantize_then_dot(fmt, M, gemv):
-    """gemv: one row by multiply-and-sum; more rows (or gemv off) by the dot on rows padded to 16."""
+    """gemv: one row by packed f16 pairs (int8, fp8, nvfp4; interpret mode runs their float32 form)
+    or multiply-and-sum (fp8 blocks); more rows (or gemv off) by the dot on rows padded to 16."""
     rng = np.random.default_rng(M)
     w = quantize(rng.normal(size=(N, K)).astype(np.float32), fmt)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
@@ -90,13 +92,13 @@ def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
     assert pick_tiling(jnp.zeros((1, 192), jnp.bfloat16), quantize(np.ones((N, 192), np.float32), "int8")) is None
     assert pick_tiling(jnp.zeros((65, K), jnp.bfloat16), w) is None
     narrow = quantize(np.ones((48, K), np.float32), "int8")  # 48 columns: 16-wide GEMV blocks only
-    assert pick_tiling(x, narrow) == GEMV_FALLBACK
+    assert pick_tiling(x, narrow) == ONE_ROW_TILINGS["int8"]
     assert pick_tiling(jnp.zeros((2, K), jnp.bfloat16), narrow) is None
 
 
 def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
     w = quantize(np.ones((N, 2560), np.float32), "int8")
-    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == ONE_ROW_TILING
+    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == ONE_ROW_TILINGS["int8"]
     assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w).gemv
     assert pick_tiling(jnp.zeros((2, 2560), jnp.bfloat16), w) == MANY_ROWS_TILINGS["int8"]
     w = quantize(np.ones((N, 384), np.float32), "int8")  # K = 384: 512 does not divide it, the GEMV fallback does
@@ -124,14 +126,33 @@ def test_fp8_block_tile_rows_stay_inside_one_scale_block():
     assert Tiling(128, 256).fits(w)  # rows: one scale block; columns: two whole ones
 
 
-def test_nvfp4_one_row_takes_the_gemv_too():
-    """NVFP4's one-row GEMV keeps its products [bn, k/2] across K steps; the result matches."""
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4"])
+@pytest.mark.parametrize("x_scale", [1e-6, 1.0, 3e4])
+def test_one_row_packed_half_gemv_takes_activations_of_any_size(fmt, x_scale):
+    """The packed-half GEMV scales the row by a power of two before f16 (3e4 x N(0, 1) reaches past
+    f16's 65504; 1e-6 would lose its bits in f16's subnormals): any size keeps bf16 accuracy."""
     rng = np.random.default_rng(11)
-    w = quantize(rng.normal(size=(N, 1024)).astype(np.float32), "nvfp4")
-    x = jnp.asarray(rng.normal(size=(1, 1024)), jnp.bfloat16)
+    w = quantize(rng.normal(size=(N, 1024)).astype(np.float32), fmt)
+    x = jnp.asarray(rng.normal(size=(1, 1024)) * x_scale, jnp.bfloat16)
     tiling = pick_tiling(x, w)
-    assert tiling == ONE_ROW_TILING
-    assert rel(quant_matmul_pallas(x, w, tiling=tiling, interpret=True), quant_matmul_reference(x.astype(jnp.float32), w)) < 8e-3
+    assert tiling == ONE_ROW_TILINGS[fmt]
+    got = quant_matmul_pallas(x, w, tiling=tiling, interpret=True)
+    assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 2
+
+
+def test_packed_half_activation_pairs_stay_inside_f16():
+    """The row's largest |x| lands in [2^(T-1), 2^T) for each format's T, and the factor undoes it."""
+    from pallas_kernels.quant_matmul import X_TOP_EXPONENT, half_operands
+
+    for fmt, x_max in [("int8", 7e4), ("fp8", 3e-5), ("nvfp4", 1.0)]:
+        w = quantize(np.ones((16, 64), np.float32), fmt)
+        x = jnp.asarray(np.linspace(-x_max, x_max / 3, 64)[None], jnp.bfloat16)
+        x_words, _, post = half_operands(x, w)
+        x16 = np.asarray(x_words).view(np.float16).astype(np.float32)
+        top = X_TOP_EXPONENT[fmt]
+        assert 2.0 ** (top - 1) <= np.abs(x16).max() < 2.0**top
+        np.testing.assert_allclose(np.sort(x16.ravel()) * float(post[0] / (w.global_scale * 64 if fmt == "nvfp4" else 1)),
+                                   np.sort(np.asarray(x, np.float32).ravel()), rtol=0)
 
 
 def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
@@ -155,13 +176,18 @@ def test_fp8_dtype_is_e4m3fn():
     assert quantize(np.ones((4, 32), np.float32), "fp8").data.dtype == ml_dtypes.float8_e4m3fn
 
 
-def run_ptx(asm: str, inputs: dict[int, int]) -> dict[int, int]:
-    """A tiny interpreter for the integer / float32 PTX the GPU decodes use (xor, and, or, shl,
-    shr, prmt, mov, sub.f32 on 32-bit registers), so their bit recipes are checked on the CPU."""
+def run_ptx(asm: str, inputs: dict[int, int]) -> dict[str, int]:
+    """A tiny interpreter for the PTX the GPU decodes and packed-half products use, so their bit
+    recipes and lane orders are checked on the CPU. Registers hold bit patterns: integer ops (xor,
+    and, or, shl, shr, prmt), mov (also packing and unpacking {lo, hi} halves), float32 sub / add /
+    fma, f16x2 sub / add / mul / fma (each lane rounded once), and the cvts to f16x2 and f32."""
     regs = {f"${n}": v for n, v in inputs.items()}
     value = lambda t: regs[t] if t in regs else int(t[2:], 16) if t.startswith("0f") else int(t, 0)
-    as_f32 = lambda u: np.array([u], np.uint32).view(np.float32)[0]
-    as_u32 = lambda f: int(np.array([f], np.float32).view(np.uint32)[0])
+    f32 = lambda u: np.array([u], np.uint32).view(np.float32)[0].astype(np.float64)
+    u32 = lambda f: int(np.array([f], np.float32).view(np.uint32)[0])
+    lanes = lambda u: np.array([u], np.uint32).view(np.float16).astype(np.float64)
+    packed = lambda v: int(np.asarray(v, np.float16).view(np.uint32)[0])  # one rounding from float64
+    half = lambda u: np.array([u], np.uint16).view(np.float16)[0].astype(np.float64)
 
     def prmt(a, b, sel):
         pool = (b << 32 | a).to_bytes(8, "little")
@@ -172,17 +198,64 @@ def run_ptx(asm: str, inputs: dict[int, int]) -> dict[int, int]:
             out |= ((0xFF if byte & 0x80 else 0) if s & 8 else byte) << 8 * i
         return out
 
+    def cvt(kind, a):
+        if kind.endswith("e4m3x2"):  # the low byte to the low lane
+            return packed(np.array([a & 0xFF, a >> 8], np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64))
+        return u32(half(a))  # f32 from f16
+
     ops = {"xor": lambda a, b: a ^ b, "and": lambda a, b: a & b, "or": lambda a, b: a | b,
-           "shl": lambda a, b: a << b & 0xFFFFFFFF, "shr": lambda a, b: a >> b, "prmt": prmt, "mov": lambda a: a,
-           "sub": lambda a, b: as_u32(as_f32(a) - as_f32(b))}
-    for stmt in asm.replace("{", "").replace("}", "").split(";"):
+           "shl": lambda a, b: a << b & 0xFFFFFFFF, "shr": lambda a, b: a >> b, "prmt": prmt,
+           "sub.f32": lambda a, b: u32(f32(a) - f32(b)), "add.f32": lambda a, b: u32(f32(a) + f32(b)),
+           "fma.f32": lambda a, b, c: u32(f32(a) * f32(b) + f32(c)),
+           "sub.f16x2": lambda a, b: packed(lanes(a) - lanes(b)), "add.f16x2": lambda a, b: packed(lanes(a) + lanes(b)),
+           "mul.f16x2": lambda a, b: packed(lanes(a) * lanes(b)),
+           "fma.f16x2": lambda a, b, c: packed(lanes(a) * lanes(b) + lanes(c))}
+    for stmt in asm.replace("{\n", "\n").replace("\n}", "\n").split(";"):
         stmt = stmt.strip()
         if not stmt or stmt.startswith(".reg"):
             continue
         op, args = stmt.split(None, 1)
-        dst, *srcs = [a.strip() for a in args.split(",")]
-        regs[dst] = ops[op.split(".")[0]](*map(value, srcs))
+        dst, *srcs = [a.strip() for a in re.split(r",(?![^{]*})", args)]
+        parts = op.split(".")
+        if parts[0] == "mov" and dst.startswith("{"):  # unpack a 32-bit word into its halves
+            lo, hi = dst.strip("{}").split(",")
+            regs[lo.strip()], regs[hi.strip()] = value(srcs[0]) & 0xFFFF, value(srcs[0]) >> 16
+        elif parts[0] == "mov":
+            regs[dst] = value(srcs[0])
+        elif parts[0] == "cvt":
+            regs[dst] = cvt(op, value(srcs[0]))
+        else:
+            key = parts[0] if parts[-1].startswith("b") else f"{parts[0]}.{parts[-1]}"
+            regs[dst] = ops[key](*map(value, srcs))
     return regs
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4"])
+def test_packed_half_ptx_adds_what_the_cpu_form_adds(fmt):
+    """Each call of the one-row PTX, on random weight words, activation pairs, scale and
+    accumulators, adds to the first accumulator what `half_word_sums` gives for its two words (to
+    f16 rounding: 2^-9 of max |weight| x sum |x|; one term paired with the wrong activation is off
+    by about 1/30 of that) and leaves the second accumulator alone."""
+    from pallas_kernels.quant_matmul import _HALF_PTX, half_word_sums
+
+    rng = np.random.default_rng(5)
+    n_x = 4 if fmt == "nvfp4" else 2
+    max_weight = {"int8": 128, "fp8": 448, "nvfp4": 6 / 64}[fmt]
+    for _ in range(100):
+        words = rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32)
+        if fmt == "fp8":
+            words &= 0xFEFEFEFE  # an even mantissa: no NaN bytes (0x7F, 0xFF)
+        x = rng.normal(size=(n_x, 2, 2)).astype(np.float16)  # [array, word, lane]
+        x_words = x.view(np.uint32)[..., 0]  # [array, word]
+        scale, acc = np.float32(rng.uniform(0.5, 2)), rng.normal(size=2).astype(np.float32)
+        operands = [*words, *x_words.reshape(-1)] + ([scale.view(np.uint32)] * 2 if fmt == "nvfp4" else [])
+        regs = run_ptx(_HALF_PTX[fmt], {2 + i: int(v) for i, v in enumerate([*operands, *acc.view(np.uint32)])})
+        got = np.array([regs["$0"], regs["$1"]], np.uint32).view(np.float32)
+        sums = half_word_sums(fmt, jnp.asarray(words.view(np.int32)), [jnp.asarray(w.view(np.int32)) for w in x_words],
+                              jnp.full(2, scale) if fmt == "nvfp4" else None)
+        bound = 2**-9 * max_weight * float(np.abs(x.astype(np.float32)).sum()) * (scale if fmt == "nvfp4" else 1)
+        assert got[1] == acc[1]
+        assert abs(got[0] - (acc[0] + float(jnp.sum(sums)))) <= bound
 
 
 def test_int8_ptx_turns_every_byte_into_its_float():
