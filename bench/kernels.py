@@ -85,7 +85,7 @@ def matmul_time_us(f, x, reps=200):
 
 def tilings(fmt: str, M: int) -> list[Tiling]:
     """Tilings to try: (block_n, block_k, split_k, warps, stages), and for one row the GEMV ones
-    (packed halves for NVFP4, K unsplit; multiply-and-sum for the other formats). An
+    (packed halves for int8, fp8 and NVFP4, K unsplit; multiply-and-sum for fp8 blocks). An
     fp8-block tile's rows stay inside one 128-row scale block; small M wants many programs in
     flight (small block_n, or split K). The dispatcher's choices (`quant_matmul.ONE_ROW_TILINGS`,
     `MANY_ROWS_TILINGS`) are among them."""
@@ -99,7 +99,8 @@ def tilings(fmt: str, M: int) -> list[Tiling]:
     else:
         shapes = [(64, 128, 1, 4, 3), (64, 256, 1, 4, 3), (32, 256, 2, 4, 3), (32, 512, 1, 4, 3),
                   (64, 256, 2, 4, 4), (64, 512, 2, 8, 3), (128, 256, 4, 8, 3), (32, 256, 4, 4, 4)]
-        gemv = [(16, 512, 1, 4, 3), (16, 256, 1, 4, 3), (32, 512, 1, 4, 3), (16, 1024, 1, 4, 3), (16, 512, 1, 4, 4)]
+        gemv = [(16, 256, 1, 4, 3), (16, 128, 1, 4, 3), (16, 512, 1, 4, 3), (8, 256, 1, 4, 3), (16, 256, 1, 4, 4),
+                (16, 256, 1, 8, 3)]
     if M > 8:
         shapes = shapes[:3]
     return [Tiling(*s) for s in shapes] + ([Tiling(*s, gemv=True) for s in gemv] if M == 1 else [])

@@ -11,8 +11,8 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
 `quant_matmul` is the dispatcher: the Pallas (Triton) kernel on a GPU, dequantize-then-dot
 elsewhere. The kernel runs one program per block of BN output channels (and per K range when K
 is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
-float32. A single activation row (decode at batch 1) is contracted by multiply-and-sum, NVFP4's
-by packed f16 pairs (its own kernel, below); more rows by a bf16 tensor-core dot on rows padded to
+float32. A single activation row (decode at batch 1) is contracted by packed f16 pairs in their own
+kernels (below; fp8 blocks by multiply-and-sum); more rows by a bf16 tensor-core dot on rows padded to
 16 (Triton's smallest). On the GPU the int8 and e2m1 decodes are inline PTX bit tricks (int8
 without the int-to-float converter; e2m1 transcoded to e4m3, which the GPU widens two at a time).
 Measured one-row figures are in BENCHMARKS.md.
@@ -244,25 +244,43 @@ def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, 
 
 # ----------------------------------------------------------------------------- one row: packed halves
 
-# One activation row (decode at batch 1) of NVFP4 weights. Multiply-and-sum in float32 costs 5 or
-# more instructions a weight, and the H200 runs out of instruction issue long before HBM runs out of
-# bytes (31% of the ceiling). Here one inline-PTX call takes one 16-value group (two 32-bit words),
-# transcodes it to e4m3 and widens it to f16 pairs, multiplies them with f16 activation pairs two at
-# a time (fma.f16x2), and adds the group's sum times its scale, in float32, to that group's
-# accumulator: about 3 instructions a weight. f16 keeps the products and their 8-term sums to 2^-11
-# when the activation row is first scaled by a power of two, its largest |x| into [2^14, 2^15): high
-# enough that small values keep their bits, low enough that 8 x 6/64 x 2^15 stays below f16's 65504.
-# (int8 and fp8 ran this way too, kernel 24.8 us against 27.9 at [17408, 5120], but the row's
-# scaling and pairing took three XLA fusions, 3.7 us, so their one row keeps multiply-and-sum.)
-HALF_FORMATS = ("nvfp4",)
-X_TOP_EXPONENT = 15
-VALUES_PER_WORD = 8
+# One activation row (decode at batch 1) of int8, fp8 or NVFP4 weights. Multiply-and-sum in float32
+# costs 5 or more instructions a weight, and the H200 runs out of instruction issue before HBM runs
+# out of bytes. Here one inline-PTX call takes two 32-bit weight words, decodes them straight into
+# f16 pairs, multiplies them with f16 activation pairs two at a time (fma.f16x2) and adds the sum
+# (NVFP4: times the group's scale), in float32, to that word pair's accumulator: about 3
+# instructions a weight. f16 keeps the products and their short sums (4 or 8 terms a lane) to
+# 2^-11 when the activation row is first scaled by a power of two, its largest |x| into
+# [2^(T-1), 2^T): high enough that small values keep their bits, low enough that no sum leaves
+# f16's range (T below; the bound is terms x max |weight| x 2^T). A one-program kernel scales and
+# pairs the row first: one launch, where XLA took three fusions (3.6 us at a 27B shape).
+HALF_FORMATS = ("int8", "fp8", "nvfp4")
+X_TOP_EXPONENT = {"int8": 6, "fp8": 5, "nvfp4": 15}  # 4 x 128 x 2^6, 4 x 448 x 2^5, 8 x 6/64 x 2^15 < 65504
+VALUES_PER_WORD = {"int8": 4, "fp8": 4, "nvfp4": 8}
+# Which values of a weight word each activation pair array holds, (low lane, high lane).
+X_PAIR_VALUES = {"int8": ((0, 1), (2, 3)), "fp8": ((0, 1), (2, 3)), "nvfp4": ((0, 2), (4, 6), (1, 3), (5, 7))}
 
-# Operands: $0 $1 the group's two accumulators out; $2 $3 its weight words; $4 .. $11 activation
-# pair words, two per array A (values 0, 2 of each word), B (4, 6), C (1, 3), D (5, 7); $12 $13 the
-# group's scale; $14 $15 the accumulators in. Each word's low nibbles (values 0, 2, 4, 6) and high
-# ones (1, 3, 5, 7) are transcoded as in _E2M1_TO_E4M3_PTX (times 2^-6); the sum goes to $0.
-_NVFP4_HALF_PTX = "{\n.reg .b32 t, u, p, q, h<8>, e<4>;\n.reg .b16 l<8>;\n.reg .f16 a, b;\n.reg .f32 fa, fb;\n" + "\n".join(
+# Operands of every call: $0 $1 the two words' accumulators out; $2 $3 the weight words; then the
+# activation pair words, two per array (one for each weight word), the group scale (nvfp4) and the
+# two accumulators in. int8 and fp8 words hold 4 values; activation arrays A, B hold pairs (0, 1)
+# and (2, 3) of each word. The sum of all products goes to the first accumulator.
+_PAIR_PRODUCTS = """mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p; fma.rn.f16x2 p, h2, $5, p; fma.rn.f16x2 p, h3, $7, p;
+mov.b32 {a, b}, p; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 fa, fa, fb; add.f32 $0, $8, fa; mov.b32 $1, $9;
+}"""
+_HALF_REGS = "{\n.reg .b32 t, u, m, p, q, h<8>, e<4>;\n.reg .b16 l<8>;\n.reg .f16 a, b;\n.reg .f32 fa, fb;\n"
+# int8: the byte, sign bit flipped, becomes the low byte of f16 1024 + (x + 128); subtracting 1152 leaves x.
+_INT8_HALF_PTX = _HALF_REGS + """mov.b32 m, 0x64806480;
+xor.b32 t, $2, 0x80808080; prmt.b32 h0, t, 0x64646464, 0x4140; prmt.b32 h1, t, 0x64646464, 0x4342;
+xor.b32 t, $3, 0x80808080; prmt.b32 h2, t, 0x64646464, 0x4140; prmt.b32 h3, t, 0x64646464, 0x4342;
+sub.f16x2 h0, h0, m; sub.f16x2 h1, h1, m; sub.f16x2 h2, h2, m; sub.f16x2 h3, h3, m;
+""" + _PAIR_PRODUCTS
+_FP8_HALF_PTX = _HALF_REGS + """mov.b32 {l0, l1}, $2; mov.b32 {l2, l3}, $3;
+cvt.rn.f16x2.e4m3x2 h0, l0; cvt.rn.f16x2.e4m3x2 h1, l1; cvt.rn.f16x2.e4m3x2 h2, l2; cvt.rn.f16x2.e4m3x2 h3, l3;
+""" + _PAIR_PRODUCTS
+# NVFP4: two words are one 16-value group. Each word's low nibbles (values 0, 2, 4, 6) and high ones
+# (1, 3, 5, 7) are transcoded to e4m3 as in _E2M1_TO_E4M3_PTX (times 2^-6), widened to f16 pairs and
+# met by activation arrays A (values 0, 2), B (4, 6), C (1, 3), D (5, 7); $12 is the group's scale.
+_NVFP4_HALF_PTX = _HALF_REGS + "\n".join(
     f"shl.b32 t, {w}, 4; and.b32 t, t, 0x80808080; shl.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 e{2 * i}, t, u;\n"
     f"shr.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; and.b32 t, {w}, 0x80808080; or.b32 e{2 * i + 1}, t, u;"
     for i, w in enumerate(("$2", "$3"))) + """
@@ -274,31 +292,84 @@ fma.rn.f16x2 p, h4, $5, p; fma.rn.f16x2 q, h5, $7, q; fma.rn.f16x2 p, h6, $9, p;
 add.rn.f16x2 p, p, q; mov.b32 {a, b}, p; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 fa, fa, fb;
 fma.rn.f32 $0, fa, $12, $14; mov.b32 $1, $15;
 }"""
+_HALF_PTX = {"int8": _INT8_HALF_PTX, "fp8": _FP8_HALF_PTX, "nvfp4": _NVFP4_HALF_PTX}
 
 
-def half_word_sums(words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array) -> jax.Array:
-    """What the PTX adds for each NVFP4 weight word, in float32 arithmetic (the CPU's form): words
-    int32 [..., W], x_pairs A B C D the f16-pair words (bitcast to int32) [..., W], scale [..., W]
+def half_word_sums(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array | None) -> jax.Array:
+    """What the PTX adds for each weight word, in float32 arithmetic (the CPU's form): words int32
+    [..., W], x_pairs the f16-pair words (bitcast to int32) [..., W], scale [..., W] (NVFP4) or None
     -> [..., W]."""
-    a, b, c, d = [jax.lax.bitcast_convert_type(p, jnp.float16).astype(jnp.float32) for p in x_pairs]  # [..., W, 2]
+    x = [jax.lax.bitcast_convert_type(a, jnp.float16).astype(jnp.float32) for a in x_pairs]  # [..., W, 2] each
+    if fmt != "nvfp4":
+        values = jax.lax.bitcast_convert_type(words, jnp.int8 if fmt == "int8" else FP8).astype(jnp.float32)
+        return jnp.sum(values * jnp.concatenate(x, axis=-1), axis=-1)
     codes = jax.lax.bitcast_convert_type(words, jnp.uint8)  # [..., W, 4]: byte j holds values 2j, 2j + 1
     low, high = decode_e2m1(codes & 15) / E2M1_IN_E4M3, decode_e2m1(codes >> 4) / E2M1_IN_E4M3
-    sums = jnp.sum(low * jnp.concatenate([a, b], -1) + high * jnp.concatenate([c, d], -1), axis=-1)
-    return sums * scale
+    a, b, c, d = x
+    return jnp.sum(low * jnp.concatenate([a, b], -1) + high * jnp.concatenate([c, d], -1), axis=-1) * scale
 
 
-def _half_products(words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array, acc: jax.Array,
-                   ptx: bool) -> jax.Array:
-    """acc [bn, bw] plus each group's scaled products (the PTX on the GPU)."""
+def _half_products(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array | None,
+                   acc: jax.Array, ptx: bool) -> jax.Array:
+    """acc [bn, bw] plus each weight word pair's products (the PTX on the GPU)."""
     if not ptx:
-        return acc + half_word_sums(words, x_pairs, scale)
-    [out] = plt.elementwise_inline_asm(_NVFP4_HALF_PTX, args=[words, *x_pairs, scale, acc],
-                                       constraints=",".join(["=f,=f"] + ["r,r"] * 5 + ["f,f"] * 2), pack=2,
+        return acc + half_word_sums(fmt, words, x_pairs, scale)
+    args = [words, *x_pairs, *([] if scale is None else [scale]), acc]
+    constraints = ",".join(["=f,=f"] + ["r,r"] * (1 + len(x_pairs)) + ["f,f"] * (len(args) - 1 - len(x_pairs)))
+    [out] = plt.elementwise_inline_asm(_HALF_PTX[fmt], args=args, constraints=constraints, pack=2,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, jnp.float32)])
     return out
 
 
-def _half_gemv_kernel(x_ref, w_ref, s_ref, post_ref, o_ref, *, bn: int, bw: int, k_steps: int, ptx: bool):
+def _f32_power_of_two(e: jax.Array) -> jax.Array:
+    """2^e as float32 from its bits, e int32 in [-126, 127] (no exp2 rounding, no overflow)."""
+    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def _half_row_kernel(x_ref, pairs_ref, post_ref, *, fmt: str, chunk: int):
+    """Program c: words [c chunk, (c + 1) chunk) of the row x [K] as f16 pair words (int32) in
+    pairs_ref [P, W], scaled by 2^shift so that the row's largest |x| lies in [2^(T-1), 2^T), and
+    2^-shift in post_ref [1]. Every program finds the row's largest |x| itself (one masked load of
+    the whole row): no second launch, no serial loop."""
+    K = x_ref.shape[0]
+    size = next_pow2(K)
+    row = plt.load(x_ref.at[pl.ds(0, size)], mask=jnp.arange(size) < K, other=0.0)
+    top = jnp.max(jnp.abs(row.astype(jnp.float32)))
+    biased = (jax.lax.bitcast_convert_type(top, jnp.int32) >> 23) & 0xFF  # top = m 2^(biased - 126), m in [0.5, 1)
+    shift = jnp.clip(X_TOP_EXPONENT[fmt] - (biased - 126), -126, 126)
+    scale = _f32_power_of_two(shift)
+    stride = VALUES_PER_WORD[fmt]
+    c = pl.program_id(0)
+
+    def f16_bits(offset):  # value `offset` of each of this program's words, scaled, as f16 bits
+        x = x_ref[pl.ds(c * chunk * stride + offset, chunk, stride=stride)].astype(jnp.float32)
+        return jax.lax.bitcast_convert_type((x * scale).astype(jnp.float16), jnp.int16).astype(jnp.int32) & 0xFFFF
+
+    for j, (lo, hi) in enumerate(X_PAIR_VALUES[fmt]):
+        pairs_ref[j, pl.ds(c * chunk, chunk)] = f16_bits(lo) | (f16_bits(hi) << 16)
+
+    @pl.when(c == 0)
+    def _():
+        post_ref[0] = _f32_power_of_two(-shift)
+
+
+def half_row(x: jax.Array, fmt: str, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """One row x [1, K] -> (activation pair words [P, W] int32, scaled by a power of two, in f16,
+    paired as the PTX meets them; 2^-shift [1] float32, which scales the sums back)."""
+    W = x.shape[1] // VALUES_PER_WORD[fmt]
+    chunk = min(128, W & -W)  # a power of two (Triton's blocks) dividing W
+    whole = lambda shape: pl.BlockSpec(shape, lambda c: (0,) * len(shape))
+    shapes = (len(X_PAIR_VALUES[fmt]), W), (1,)
+    return pl.pallas_call(
+        functools.partial(_half_row_kernel, fmt=fmt, chunk=chunk), grid=(W // chunk,),
+        out_shape=tuple(jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, (jnp.int32, jnp.float32))),
+        in_specs=[whole((x.shape[1],))], out_specs=tuple(whole(s) for s in shapes),
+        compiler_params=plt.CompilerParams(num_warps=8), interpret=interpret, name=f"quant_gemv_row_{fmt}",
+    )(x.reshape(-1))
+
+
+def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bw: int, k_steps: int,
+                      ptx: bool):
     """Program i: output columns [i bn, (i + 1) bn) of the one row. One float32 accumulator a weight
     word [bn, bw] (the PTX fills every other one), summed after the K loop."""
     n0 = pl.program_id(0) * bn
@@ -306,38 +377,32 @@ def _half_gemv_kernel(x_ref, w_ref, s_ref, post_ref, o_ref, *, bn: int, bw: int,
     def body(i, acc):
         cols = pl.ds(i * bw, bw)
         x_pairs = [jnp.broadcast_to(x_ref[pl.ds(j, 1), cols], (bn, bw)) for j in range(x_ref.shape[0])]
-        groups = i * (bw // 2) + jnp.arange(bw) // 2  # each group's scale, once for each of its two words
-        scale = s_ref[n0 + jnp.arange(bn)[:, None], groups[None, :]].astype(jnp.float32)
-        return _half_products(w_ref[pl.ds(n0, bn), cols], x_pairs, scale, acc, ptx)
+        scale = None
+        if fmt == "nvfp4":  # each group's scale, once for each of its two words
+            groups = i * (bw // 2) + jnp.arange(bw) // 2
+            scale = s_ref[n0 + jnp.arange(bn)[:, None], groups[None, :]].astype(jnp.float32)
+        return _half_products(fmt, w_ref[pl.ds(n0, bn), cols], x_pairs, scale, acc, ptx)
 
     acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bn, bw), jnp.float32))
-    o_ref[...] = (jnp.sum(acc, axis=1) * post_ref[0])[None, :].astype(o_ref.dtype)
-
-
-def half_operands(x: jax.Array, w: "QuantizedWeight") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One row x [1, K] -> (activation pair words [4, W] int32: x scaled by a power of two, in f16,
-    paired as the PTX meets them; the weight words [N, W] int32; the factor [1] float32 that scales
-    the sums back, with the global scale and the transcode's 2^6)."""
-    N, K = w.shape
-    x32 = x[0].astype(jnp.float32)
-    _, top = jnp.frexp(jnp.max(jnp.abs(x32)))
-    shift = X_TOP_EXPONENT - top  # exact: x and 2^shift are powers-of-two apart
-    x16 = jnp.ldexp(x32, shift).astype(jnp.float16).reshape(K // VALUES_PER_WORD, 2, 2, 2)  # word, byte pair, byte, nibble
-    pairs = jnp.transpose(x16, (3, 1, 0, 2)).reshape(4, K // VALUES_PER_WORD, 2)  # A B: low nibbles, C D: high
-    x_words = jax.lax.bitcast_convert_type(pairs, jnp.int32)
-    words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // VALUES_PER_WORD, 4), jnp.int32)
-    post = jnp.ldexp(jnp.float32(1), -shift) * w.global_scale * E2M1_IN_E4M3
-    return x_words, words, jnp.reshape(post, (1,)).astype(jnp.float32)
+    out = jnp.sum(acc, axis=1) * post_ref[0]
+    if fmt == "nvfp4":
+        out = out * (g_ref[0] * E2M1_IN_E4M3)  # the global scale, and the transcode's 2^-6 undone
+    else:
+        out = out * s_ref[pl.ds(n0, bn)]
+    o_ref[...] = out[None, :].astype(o_ref.dtype)
 
 
 def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool) -> jax.Array:
-    """The packed-half kernel on one row x [1, K] -> [1, N] in x's dtype."""
+    """The packed-half kernels on one row x [1, K] -> [1, N] in x's dtype."""
     N, K = w.shape
-    x_words, words, post = half_operands(x, w)
+    per_word = VALUES_PER_WORD[w.format]
+    x_pairs, post = half_row(x, w.format, interpret)
+    words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // per_word, 4), jnp.int32)
+    g = jnp.reshape(w.global_scale if w.format == "nvfp4" else jnp.ones((), jnp.float32), (1,))  # a reshape: no XLA kernel to launch
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
-    args = (x_words, words, w.scale, post)
-    kernel = functools.partial(_half_gemv_kernel, bn=t.block_n, bw=t.block_k // VALUES_PER_WORD, k_steps=K // t.block_k,
-                               ptx=not interpret)
+    args = (x_pairs, post, words, w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32), g)
+    kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, bw=t.block_k // per_word,
+                               k_steps=K // t.block_k, ptx=not interpret)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((1, N), x.dtype), grid=(N // t.block_n,),
         in_specs=[whole(a) for a in args], out_specs=pl.BlockSpec((1, t.block_n), lambda i: (0, i)),
@@ -355,8 +420,8 @@ class Tiling:
     """How the kernel cuts the work: block_n output columns per program, block_k of K per loop
     step, K split over split_k programs (partial sums added after), Triton's warps and stages;
     with gemv, a single activation row is contracted without a tensor-core dot on rows padded to
-    16: by packed f16 pairs (NVFP4; K unsplit, block_k at least one 16-value group), by float32
-    multiply-and-sum (the other formats)."""
+    16: by packed f16 pairs (HALF_FORMATS; K unsplit, block_k at least two weight words), by
+    float32 multiply-and-sum (fp8 blocks)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -373,7 +438,7 @@ class Tiling:
         pow2 = all(b == next_pow2(b) for b in (self.block_n, self.block_k))
         rows_in_scale_block = w.format != "fp8_block" or BLOCK % self.block_n == 0
         half = not self.gemv or w.format not in HALF_FORMATS or (
-            self.split_k == 1 and self.block_k >= 2 * VALUES_PER_WORD)
+            self.split_k == 1 and self.block_k >= 2 * VALUES_PER_WORD[w.format])
         return pow2 and N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0 and rows_in_scale_block and half
 
 
@@ -419,13 +484,13 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
 
 
 # Tilings measured on the H200 (27B MLP matrix [17408, 5120], BENCHMARKS.md): per format the
-# fastest for a single activation row (decode at batch 1; K unsplit, so no partial sums to add;
-# NVFP4's packed halves: 64 weight words a step), and one for 2 to 64 rows, a compromise (at 8 rows
+# fastest for a single activation row (decode at batch 1; K unsplit, so no partial sums to add; the
+# packed halves: 64 weight words a step), and one for 2 to 64 rows, a compromise (at 8 rows
 # int8's best was (32, 256, 2) at 32.5 against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at
 # 69 against 75).
 ONE_ROW_TILINGS = {
-    "int8": Tiling(16, 512, 1, 4, 3, gemv=True),
-    "fp8": Tiling(16, 512, 1, 4, 3, gemv=True),
+    "int8": Tiling(16, 256, 1, 4, 3, gemv=True),
+    "fp8": Tiling(16, 256, 1, 4, 3, gemv=True),
     "fp8_block": Tiling(16, 512, 1, 4, 3, gemv=True),
     "nvfp4": Tiling(16, 512, 1, 4, 3, gemv=True),
 }

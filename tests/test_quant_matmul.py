@@ -92,7 +92,7 @@ def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
     assert pick_tiling(jnp.zeros((1, 192), jnp.bfloat16), quantize(np.ones((N, 192), np.float32), "int8")) is None
     assert pick_tiling(jnp.zeros((65, K), jnp.bfloat16), w) is None
     narrow = quantize(np.ones((48, K), np.float32), "int8")  # 48 columns: 16-wide GEMV blocks only
-    assert pick_tiling(x, narrow) == GEMV_FALLBACK
+    assert pick_tiling(x, narrow) == ONE_ROW_TILINGS["int8"]
     assert pick_tiling(jnp.zeros((2, K), jnp.bfloat16), narrow) is None
 
 
@@ -141,18 +141,23 @@ def test_one_row_packed_half_gemv_takes_activations_of_any_size(fmt, x_scale):
     assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 2
 
 
-def test_packed_half_activation_pairs_stay_inside_f16():
-    """The row's largest |x| lands in [2^14, 2^15), and the factor undoes the scaling exactly."""
-    from pallas_kernels.quant_matmul import E2M1_IN_E4M3, X_TOP_EXPONENT, half_operands
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4"])
+def test_packed_half_row_lands_inside_f16_and_is_paired_as_the_ptx_meets_it(fmt):
+    """The row kernel puts the row's largest |x| in [2^(T-1), 2^T) for the format's T, pairs the
+    values as X_PAIR_VALUES says, and its factor undoes the scaling exactly."""
+    from pallas_kernels.quant_matmul import VALUES_PER_WORD, X_PAIR_VALUES, X_TOP_EXPONENT, half_row
 
-    w = quantize(np.ones((16, 64), np.float32), "nvfp4")
-    for x_max in (7e4, 3e-5, 1.0):
-        x = jnp.asarray(np.linspace(-x_max, x_max / 3, 64)[None], jnp.bfloat16)
-        x_words, _, post = half_operands(x, w)
-        x16 = np.asarray(x_words).view(np.float16).astype(np.float32)
-        assert 2.0 ** (X_TOP_EXPONENT - 1) <= np.abs(x16).max() < 2.0**X_TOP_EXPONENT
-        np.testing.assert_array_equal(np.sort(x16.ravel()) * float(post[0] / (w.global_scale * E2M1_IN_E4M3)),
-                                      np.sort(np.asarray(x, np.float32).ravel()))
+    for x_max in (7e4, 3e-5, 1.0, 0.0):
+        x = np.linspace(-x_max, x_max / 3, 256)[None] * np.random.default_rng(0).permutation(256)[None] / 256
+        x = jnp.asarray(x, jnp.bfloat16)
+        pairs, post = half_row(x, fmt, interpret=True)
+        x16 = np.asarray(pairs).view(np.float16).astype(np.float32).reshape(len(pairs), -1, 2)  # [array, word, lane]
+        if x_max:
+            top = X_TOP_EXPONENT[fmt]
+            assert 2.0 ** (top - 1) <= np.abs(x16).max() < 2.0**top
+        words = np.asarray(x, np.float32).reshape(-1, VALUES_PER_WORD[fmt])
+        for j, lanes in enumerate(X_PAIR_VALUES[fmt]):
+            np.testing.assert_array_equal(x16[j] * float(post[0]), words[:, lanes])
 
 
 def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
@@ -230,26 +235,32 @@ def run_ptx(asm: str, inputs: dict[int, int]) -> dict[str, int]:
     return regs
 
 
-def test_packed_half_ptx_adds_what_the_cpu_form_adds():
-    """Each call of NVFP4's one-row PTX, on random weight words, activation pairs, scale and
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4"])
+def test_packed_half_ptx_adds_what_the_cpu_form_adds(fmt):
+    """Each call of the one-row PTX, on random weight words, activation pairs, scale and
     accumulators, adds to the first accumulator what `half_word_sums` gives for its two words (to
-    f16 rounding: 2^-9 of 6/64 x scale x sum |x|; one value paired with the wrong activation is off
+    f16 rounding: 2^-9 of max |weight| x sum |x|; one term paired with the wrong activation is off
     by about 1/30 of that) and leaves the second accumulator alone."""
-    from pallas_kernels.quant_matmul import _NVFP4_HALF_PTX, half_word_sums
+    from pallas_kernels.quant_matmul import _HALF_PTX, half_word_sums
 
     rng = np.random.default_rng(5)
+    n_x = 4 if fmt == "nvfp4" else 2
+    max_weight = {"int8": 128, "fp8": 448, "nvfp4": 6 / 64}[fmt]
     for _ in range(100):
         words = rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32)
-        x = rng.normal(size=(4, 2, 2)).astype(np.float16)  # [array, word, lane]
+        if fmt == "fp8":
+            words &= 0xFEFEFEFE  # an even mantissa: no NaN bytes (0x7F, 0xFF)
+        x = rng.normal(size=(n_x, 2, 2)).astype(np.float16)  # [array, word, lane]
         x_words = x.view(np.uint32)[..., 0]  # [array, word]
         scale, acc = np.float32(rng.uniform(0.5, 2)), rng.normal(size=2).astype(np.float32)
-        operands = [*words, *x_words.reshape(-1), *[scale.view(np.uint32)] * 2, *acc.view(np.uint32)]
-        regs = run_ptx(_NVFP4_HALF_PTX, {2 + i: int(v) for i, v in enumerate(operands)})
+        operands = [*words, *x_words.reshape(-1)] + ([scale.view(np.uint32)] * 2 if fmt == "nvfp4" else [])
+        regs = run_ptx(_HALF_PTX[fmt], {2 + i: int(v) for i, v in enumerate([*operands, *acc.view(np.uint32)])})
         got = np.array([regs["$0"], regs["$1"]], np.uint32).view(np.float32)
-        sums = half_word_sums(jnp.asarray(words.view(np.int32)), [jnp.asarray(w.view(np.int32)) for w in x_words],
-                              jnp.full(2, scale))
+        sums = half_word_sums(fmt, jnp.asarray(words.view(np.int32)), [jnp.asarray(w.view(np.int32)) for w in x_words],
+                              jnp.full(2, scale) if fmt == "nvfp4" else None)
+        bound = 2**-9 * max_weight * float(np.abs(x.astype(np.float32)).sum()) * (scale if fmt == "nvfp4" else 1)
         assert got[1] == acc[1]
-        assert abs(got[0] - (acc[0] + float(jnp.sum(sums)))) <= 2**-9 * 6 / 64 * scale * float(np.abs(x.astype(np.float32)).sum())
+        assert abs(got[0] - (acc[0] + float(jnp.sum(sums)))) <= bound
 
 
 def test_int8_ptx_turns_every_byte_into_its_float():
