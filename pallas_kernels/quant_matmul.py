@@ -420,8 +420,8 @@ class Tiling:
     """How the kernel cuts the work: block_n output columns per program, block_k of K per loop
     step, K split over split_k programs (partial sums added after), Triton's warps and stages;
     with gemv, a single activation row is contracted without a tensor-core dot on rows padded to
-    16: by packed f16 pairs (HALF_FORMATS; K unsplit, block_k at least two weight words), by
-    float32 multiply-and-sum (fp8 blocks)."""
+    16: by float32 multiply-and-sum, or with packed_halves by f16 pairs (HALF_FORMATS only; K
+    unsplit, block_k at least two weight words)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -429,6 +429,7 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 3
     gemv: bool = False
+    packed_halves: bool = False
 
     def fits(self, w: "QuantizedWeight") -> bool:
         """Power-of-two tiles (Triton's blocks) that divide the weight; for fp8 blocks a tile's rows
@@ -437,8 +438,8 @@ class Tiling:
         N, K = w.shape
         pow2 = all(b == next_pow2(b) for b in (self.block_n, self.block_k))
         rows_in_scale_block = w.format != "fp8_block" or BLOCK % self.block_n == 0
-        half = not self.gemv or w.format not in HALF_FORMATS or (
-            self.split_k == 1 and self.block_k >= 2 * VALUES_PER_WORD[w.format])
+        half = not self.packed_halves or (self.gemv and w.format in HALF_FORMATS and self.split_k == 1
+                                          and self.block_k >= 2 * VALUES_PER_WORD[w.format])
         return pow2 and N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0 and rows_in_scale_block and half
 
 
@@ -455,8 +456,8 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     if not t.fits(w):  # a tile past the edge would read and write out of bounds, silently
         raise ValueError(f"tiling {t} does not divide a [{N}, {K}] {w.format} weight (block_n | N, "
                          f"block_k * split_k | K; fp8_block also block_n | 128 and block_k | 128; a "
-                         f"packed-half GEMV split_k = 1 and two weight words a step)")
-    if M == 1 and t.gemv and w.format in HALF_FORMATS:
+                         f"packed-half GEMV: one row of {', '.join(HALF_FORMATS)}, split_k = 1, two weight words a step)")
+    if M == 1 and t.packed_halves:
         return _half_gemv(x, w, t, interpret)
     Mp = 1 if M == 1 and t.gemv else max(16, next_pow2(M))
     xb = jnp.pad(x.astype(jnp.bfloat16), ((0, Mp - M), (0, 0)))
@@ -483,17 +484,22 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# Tilings measured on the H200 (27B MLP matrix [17408, 5120], BENCHMARKS.md): per format the
-# fastest for a single activation row (decode at batch 1; K unsplit, so no partial sums to add; the
-# packed halves: 64 weight words a step), and one for 2 to 64 rows, a compromise (at 8 rows
-# int8's best was (32, 256, 2) at 32.5 against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at
-# 69 against 75).
+# Tilings measured on the H200 (BENCHMARKS.md). One activation row of a 27B MLP matrix [17408,
+# 5120] (decode at batch 1): per format the fastest, K unsplit so no partial sums to add; the packed
+# halves take 64 weight words a step, int8 and fp8 4 stages deep (25.7-26.1 against 25.9-26.3 us).
+# int8 and fp8 take the packed halves only from HALF_MIN_BYTES of weight: below that their row
+# kernel's launch (1.1-1.5 us) outweighs the 8% they save (a 0.8B projection of 3.7 MB: 3.1 against
+# 2.8 us; 89 MB: 26 against 27.7 us). NVFP4 takes them at every size (3.5 against 5.5 us).
+# 2 to 64 rows: one tiling per format, a compromise (at 8 rows int8's best was (32, 256, 2) at 32.5
+# against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at 69 against 75).
 ONE_ROW_TILINGS = {
-    "int8": Tiling(16, 256, 1, 4, 3, gemv=True),
-    "fp8": Tiling(16, 256, 1, 4, 3, gemv=True),
+    "int8": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
+    "fp8": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
     "fp8_block": Tiling(16, 512, 1, 4, 3, gemv=True),
-    "nvfp4": Tiling(16, 512, 1, 4, 3, gemv=True),
+    "nvfp4": Tiling(16, 512, 1, 4, 3, gemv=True, packed_halves=True),
 }
+MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 one row under HALF_MIN_BYTES
+HALF_MIN_BYTES = 32 << 20
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),
     "fp8": Tiling(64, 256, 1, 4, 3),
@@ -508,7 +514,10 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
     default that does, else None (more than 64 rows, or a shape no tiling divides)."""
     if x.shape[0] > 64:
         return None
-    tried = (ONE_ROW_TILINGS[w.format], GEMV_FALLBACK) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
+    one_row = ONE_ROW_TILINGS[w.format]
+    if w.format in ("int8", "fp8") and w.data.size < HALF_MIN_BYTES:
+        one_row = MULTIPLY_AND_SUM_TILING
+    tried = (one_row, GEMV_FALLBACK) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
     return next((t for t in (*tried, Tiling()) if t.fits(w)), None)
 
 

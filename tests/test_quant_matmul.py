@@ -4,6 +4,7 @@ dequantize-then-dot (bf16 output, ~2e-3 relative)."""
 import re
 import warnings
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -13,6 +14,8 @@ from pallas_kernels.quant_matmul import (
     FORMATS,
     GEMV_FALLBACK,
     MANY_ROWS_TILINGS,
+    HALF_MIN_BYTES,
+    MULTIPLY_AND_SUM_TILING,
     ONE_ROW_TILINGS,
     QuantizedWeight,
     decode_e2m1,
@@ -61,15 +64,16 @@ def test_quantization_error_is_what_the_format_allows(fmt, tol):
     assert rel(dequantize(quantize(w, fmt)), w) < tol
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("M, gemv", [(1, False), (1, True), (3, True), (16, False)])
-def test_kernel_matches_dequantize_then_dot(fmt, M, gemv):
-    """gemv: one row by packed f16 pairs (int8, fp8, nvfp4; interpret mode runs their float32 form)
-    or multiply-and-sum (fp8 blocks); more rows (or gemv off) by the dot on rows padded to 16."""
+@pytest.mark.parametrize("fmt, M, gemv, packed", [
+    (fmt, *case) for fmt in FORMATS
+    for case in [(1, False, False), (1, True, False), (3, True, False), (16, False, False)] + [(1, True, True)] * (fmt != "fp8_block")])
+def test_kernel_matches_dequantize_then_dot(fmt, M, gemv, packed):
+    """gemv: one row by multiply-and-sum, or by packed f16 pairs (int8, fp8, nvfp4; interpret mode
+    runs their float32 form); more rows (or gemv off) by the dot on rows padded to 16."""
     rng = np.random.default_rng(M)
     w = quantize(rng.normal(size=(N, K)).astype(np.float32), fmt)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-    got = quant_matmul_pallas(x, w, tiling=Tiling(gemv=gemv), interpret=True)
+    got = quant_matmul_pallas(x, w, tiling=Tiling(gemv=gemv, packed_halves=packed), interpret=True)
     want = quant_matmul_reference(x.astype(jnp.float32), w)
     assert got.shape == (M, N) and got.dtype == jnp.bfloat16
     assert rel(got, want) < 2e-3 * 4  # bf16 output rounding plus bf16 dequantized tiles
@@ -92,13 +96,17 @@ def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
     assert pick_tiling(jnp.zeros((1, 192), jnp.bfloat16), quantize(np.ones((N, 192), np.float32), "int8")) is None
     assert pick_tiling(jnp.zeros((65, K), jnp.bfloat16), w) is None
     narrow = quantize(np.ones((48, K), np.float32), "int8")  # 48 columns: 16-wide GEMV blocks only
-    assert pick_tiling(x, narrow) == ONE_ROW_TILINGS["int8"]
+    assert pick_tiling(x, narrow) == GEMV_FALLBACK
     assert pick_tiling(jnp.zeros((2, K), jnp.bfloat16), narrow) is None
 
 
 def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
     w = quantize(np.ones((N, 2560), np.float32), "int8")
-    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == ONE_ROW_TILINGS["int8"]
+    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == MULTIPLY_AND_SUM_TILING  # 1.3 MB: one launch
+    big = QuantizedWeight(jax.ShapeDtypeStruct((8192, HALF_MIN_BYTES // 8192), jnp.int8),
+                          jax.ShapeDtypeStruct((8192,), jnp.float32), None, "int8")
+    assert pick_tiling(jnp.zeros((1, HALF_MIN_BYTES // 8192), jnp.bfloat16), big) == ONE_ROW_TILINGS["int8"]
+    assert ONE_ROW_TILINGS["int8"].packed_halves
     assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w).gemv
     assert pick_tiling(jnp.zeros((2, 2560), jnp.bfloat16), w) == MANY_ROWS_TILINGS["int8"]
     w = quantize(np.ones((N, 384), np.float32), "int8")  # K = 384: 512 does not divide it, the GEMV fallback does
@@ -135,8 +143,8 @@ def test_one_row_packed_half_gemv_takes_activations_of_any_size(fmt, x_scale):
     rng = np.random.default_rng(11)
     w = quantize(rng.normal(size=(N, 1024)).astype(np.float32), fmt)
     x = jnp.asarray(rng.normal(size=(1, 1024)) * x_scale, jnp.bfloat16)
-    tiling = pick_tiling(x, w)
-    assert tiling == ONE_ROW_TILINGS[fmt]
+    tiling = ONE_ROW_TILINGS[fmt]
+    assert tiling.packed_halves and tiling.fits(w)
     got = quant_matmul_pallas(x, w, tiling=tiling, interpret=True)
     assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 2
 
