@@ -398,7 +398,8 @@ def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool)
     per_word = VALUES_PER_WORD[w.format]
     x_pairs, post = half_row(x, w.format, interpret)
     words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // per_word, 4), jnp.int32)
-    g = jnp.reshape(w.global_scale if w.format == "nvfp4" else jnp.ones((), jnp.float32), (1,))  # a reshape: no XLA kernel to launch
+    # A reshape, not arithmetic: no XLA kernel to launch (the 2^6 is applied in the kernel).
+    g = jnp.reshape(w.global_scale if w.format == "nvfp4" else jnp.ones((), jnp.float32), (1,))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
     args = (x_pairs, post, words, w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32), g)
     kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, bw=t.block_k // per_word,
@@ -440,7 +441,8 @@ class Tiling:
         rows_in_scale_block = w.format != "fp8_block" or BLOCK % self.block_n == 0
         half = not self.packed_halves or (self.gemv and w.format in HALF_FORMATS and self.split_k == 1
                                           and self.block_k >= 2 * VALUES_PER_WORD[w.format])
-        return pow2 and N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0 and rows_in_scale_block and half
+        divides = N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0
+        return pow2 and divides and rows_in_scale_block and half
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
@@ -456,7 +458,8 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     if not t.fits(w):  # a tile past the edge would read and write out of bounds, silently
         raise ValueError(f"tiling {t} does not divide a [{N}, {K}] {w.format} weight (block_n | N, "
                          f"block_k * split_k | K; fp8_block also block_n | 128 and block_k | 128; a "
-                         f"packed-half GEMV: one row of {', '.join(HALF_FORMATS)}, split_k = 1, two weight words a step)")
+                         f"packed-half GEMV: one row of {', '.join(HALF_FORMATS)}, split_k = 1, "
+                         f"two weight words a step)")
     if M == 1 and t.packed_halves:
         return _half_gemv(x, w, t, interpret)
     Mp = 1 if M == 1 and t.gemv else max(16, next_pow2(M))
@@ -506,7 +509,7 @@ MANY_ROWS_TILINGS = {
     "fp8_block": Tiling(64, 128, 2, 4, 3),
     "nvfp4": Tiling(64, 128, 4, 4, 3),
 }
-GEMV_FALLBACK = Tiling(16, 128, 1, 4, 3, gemv=True)  # one row where those do not divide K (128 does)
+GEMV_FALLBACK = Tiling(16, 128, 1, 4, 3, gemv=True)  # one row where those do not divide K (packed as they are)
 
 
 def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
@@ -517,7 +520,8 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
     one_row = ONE_ROW_TILINGS[w.format]
     if w.format in ("int8", "fp8") and w.data.size < HALF_MIN_BYTES:
         one_row = MULTIPLY_AND_SUM_TILING
-    tried = (one_row, GEMV_FALLBACK) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
+    fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)
+    tried = (one_row, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
     return next((t for t in (*tried, Tiling()) if t.fits(w)), None)
 
 

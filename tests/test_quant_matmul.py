@@ -64,9 +64,11 @@ def test_quantization_error_is_what_the_format_allows(fmt, tol):
     assert rel(dequantize(quantize(w, fmt)), w) < tol
 
 
+CASES = [(1, False, False), (1, True, False), (3, True, False), (16, False, False)]  # (M, gemv, packed halves)
+
+
 @pytest.mark.parametrize("fmt, M, gemv, packed", [
-    (fmt, *case) for fmt in FORMATS
-    for case in [(1, False, False), (1, True, False), (3, True, False), (16, False, False)] + [(1, True, True)] * (fmt != "fp8_block")])
+    (fmt, *case) for fmt in FORMATS for case in CASES + [(1, True, True)] * (fmt != "fp8_block")])
 def test_kernel_matches_dequantize_then_dot(fmt, M, gemv, packed):
     """gemv: one row by multiply-and-sum, or by packed f16 pairs (int8, fp8, nvfp4; interpret mode
     runs their float32 form); more rows (or gemv off) by the dot on rows padded to 16."""
@@ -97,6 +99,8 @@ def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
     assert pick_tiling(jnp.zeros((65, K), jnp.bfloat16), w) is None
     narrow = quantize(np.ones((48, K), np.float32), "int8")  # 48 columns: 16-wide GEMV blocks only
     assert pick_tiling(x, narrow) == GEMV_FALLBACK
+    nvfp4 = quantize(np.ones((N, 384), np.float32), "nvfp4")  # 512 does not divide K: 128-wide packed halves
+    assert pick_tiling(jnp.zeros((1, 384), jnp.bfloat16), nvfp4) == Tiling(16, 128, gemv=True, packed_halves=True)
     assert pick_tiling(jnp.zeros((2, K), jnp.bfloat16), narrow) is None
 
 
