@@ -392,16 +392,21 @@ def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, 
     o_ref[...] = out[None, :].astype(o_ref.dtype)
 
 
+def _scale_operands(w: "QuantizedWeight") -> tuple[jax.Array, jax.Array]:
+    """The kernels' scale operands: w's scales (NVFP4's stay e4m3, the others float32) and its global
+    scale [1] float32 (1 where the format has none). Reshapes and no-op casts: no XLA kernel."""
+    g = w.global_scale if w.global_scale is not None else jnp.ones(())
+    return (w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32)), jnp.reshape(g, (1,)).astype(jnp.float32)
+
+
 def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool) -> jax.Array:
     """The packed-half kernels on one row x [1, K] -> [1, N] in x's dtype."""
     N, K = w.shape
     per_word = VALUES_PER_WORD[w.format]
     x_pairs, post = half_row(x, w.format, interpret)
     words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // per_word, 4), jnp.int32)
-    # A reshape, not arithmetic: no XLA kernel to launch (the 2^6 is applied in the kernel).
-    g = jnp.reshape(w.global_scale if w.format == "nvfp4" else jnp.ones((), jnp.float32), (1,))
     whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
-    args = (x_pairs, post, words, w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32), g)
+    args = (x_pairs, post, words, *_scale_operands(w))
     kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, bw=t.block_k // per_word,
                                k_steps=K // t.block_k, ptx=not interpret)
     return pl.pallas_call(
@@ -468,10 +473,8 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
         x_main, x_odd = xb[:, 0::2], xb[:, 1::2]
     else:
         x_main, x_odd = xb, xb  # the odd-column operand is unused
-    g = jnp.reshape(w.global_scale if w.global_scale is not None else jnp.ones(()), (1,)).astype(jnp.float32)
-    scale = w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # a pointer to the whole array
-    args = (x_main, x_odd, w.data, scale, g)
+    args = (x_main, x_odd, w.data, *_scale_operands(w))
     kernel = functools.partial(_kernel, fmt=w.format, bn=t.block_n, bk=t.block_k, k_steps=K // (t.block_k * t.split_k),
                                ptx=not interpret)
     out = pl.pallas_call(

@@ -141,8 +141,8 @@ def test_fp8_block_tile_rows_stay_inside_one_scale_block():
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4"])
 @pytest.mark.parametrize("x_scale", [1e-6, 1.0, 3e4])
 def test_one_row_packed_half_gemv_takes_activations_of_any_size(fmt, x_scale):
-    """One row of any size keeps bf16 accuracy. NVFP4's packed-half GEMV scales the row by a power of
-    two before f16 (3e4 x N(0, 1) reaches past f16's 65504; 1e-6 would lose its bits in f16's
+    """One row of any size keeps bf16 accuracy: the packed-half GEMV scales the row by a power of two
+    before f16 (3e4 x N(0, 1) reaches past f16's 65504; 1e-6 would lose its bits in f16's
     subnormals)."""
     rng = np.random.default_rng(11)
     w = quantize(rng.normal(size=(N, 1024)).astype(np.float32), fmt)
