@@ -249,13 +249,13 @@ def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, 
 # out of bytes. Here one inline-PTX call takes two 32-bit weight words, decodes them straight into
 # f16 pairs, multiplies them with f16 activation pairs two at a time (fma.f16x2) and adds the sum
 # (NVFP4: times the group's scale), in float32, to that word pair's accumulator: about 3
-# instructions a weight. f16 keeps the products and their short sums (4 or 8 terms a lane) to
+# instructions a weight. f16 keeps the products and their short sums (4 terms a lane; NVFP4 16) to
 # 2^-11 when the activation row is first scaled by a power of two, its largest |x| into
 # [2^(T-1), 2^T): high enough that small values keep their bits, low enough that no sum leaves
 # f16's range (T below; the bound is terms x max |weight| x 2^T). A one-program kernel scales and
 # pairs the row first: one launch, where XLA took three fusions (3.6 us at a 27B shape).
 HALF_FORMATS = ("int8", "fp8", "nvfp4")
-X_TOP_EXPONENT = {"int8": 6, "fp8": 5, "nvfp4": 15}  # 4 x 128 x 2^6, 4 x 448 x 2^5, 8 x 6/64 x 2^15 < 65504
+X_TOP_EXPONENT = {"int8": 6, "fp8": 5, "nvfp4": 15}  # 4 x 128 x 2^6, 4 x 448 x 2^5, 16 x 6/64 x 2^15 < 65504
 VALUES_PER_WORD = {"int8": 4, "fp8": 4, "nvfp4": 8}
 # Which values of a weight word each activation pair array holds, (low lane, high lane).
 X_PAIR_VALUES = {"int8": ((0, 1), (2, 3)), "fp8": ((0, 1), (2, 3)), "nvfp4": ((0, 2), (4, 6), (1, 3), (5, 7))}
@@ -279,7 +279,9 @@ cvt.rn.f16x2.e4m3x2 h0, l0; cvt.rn.f16x2.e4m3x2 h1, l1; cvt.rn.f16x2.e4m3x2 h2, 
 """ + _PAIR_PRODUCTS
 # NVFP4: two words are one 16-value group. Each word's low nibbles (values 0, 2, 4, 6) and high ones
 # (1, 3, 5, 7) are transcoded to e4m3 as in _E2M1_TO_E4M3_PTX (times 2^-6), widened to f16 pairs and
-# met by activation arrays A (values 0, 2), B (4, 6), C (1, 3), D (5, 7); $12 is the group's scale.
+# met by activation arrays A (values 0, 2), B (4, 6), C (1, 3), D (5, 7) in one chain of eight
+# fma.f16x2; its two lanes are added in f16 (one instruction where two conversions and a float32 add
+# were), and the sum times $12, the group's scale, goes to the accumulator.
 _NVFP4_HALF_PTX = _HALF_REGS + "\n".join(
     f"shl.b32 t, {w}, 4; and.b32 t, t, 0x80808080; shl.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 e{2 * i}, t, u;\n"
     f"shr.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; and.b32 t, {w}, 0x80808080; or.b32 e{2 * i + 1}, t, u;"
@@ -287,9 +289,9 @@ _NVFP4_HALF_PTX = _HALF_REGS + "\n".join(
 mov.b32 {l0, l1}, e0; mov.b32 {l2, l3}, e1; mov.b32 {l4, l5}, e2; mov.b32 {l6, l7}, e3;
 cvt.rn.f16x2.e4m3x2 h0, l0; cvt.rn.f16x2.e4m3x2 h1, l1; cvt.rn.f16x2.e4m3x2 h2, l2; cvt.rn.f16x2.e4m3x2 h3, l3;
 cvt.rn.f16x2.e4m3x2 h4, l4; cvt.rn.f16x2.e4m3x2 h5, l5; cvt.rn.f16x2.e4m3x2 h6, l6; cvt.rn.f16x2.e4m3x2 h7, l7;
-mul.f16x2 p, h0, $4; mul.f16x2 q, h1, $6; fma.rn.f16x2 p, h2, $8, p; fma.rn.f16x2 q, h3, $10, q;
-fma.rn.f16x2 p, h4, $5, p; fma.rn.f16x2 q, h5, $7, q; fma.rn.f16x2 p, h6, $9, p; fma.rn.f16x2 q, h7, $11, q;
-add.rn.f16x2 p, p, q; mov.b32 {a, b}, p; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 fa, fa, fb;
+mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p; fma.rn.f16x2 p, h2, $8, p; fma.rn.f16x2 p, h3, $10, p;
+fma.rn.f16x2 p, h4, $5, p; fma.rn.f16x2 p, h5, $7, p; fma.rn.f16x2 p, h6, $9, p; fma.rn.f16x2 p, h7, $11, p;
+mov.b32 {a, b}, p; add.rn.f16 a, a, b; cvt.f32.f16 fa, a;
 fma.rn.f32 $0, fa, $12, $14; mov.b32 $1, $15;
 }"""
 _HALF_PTX = {"int8": _INT8_HALF_PTX, "fp8": _FP8_HALF_PTX, "nvfp4": _NVFP4_HALF_PTX}
@@ -371,19 +373,25 @@ def half_row(x: jax.Array, fmt: str, interpret: bool = False) -> tuple[jax.Array
 def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bw: int, k_steps: int,
                       ptx: bool):
     """Program i: output columns [i bn, (i + 1) bn) of the one row. One float32 accumulator a weight
-    word [bn, bw] (the PTX fills every other one), summed after the K loop."""
+    word [bn, bw] (the PTX fills every other one), summed after the K loop. Each step's tiles are
+    loaded a step ahead and carried through the loop, so their latency hides behind the products."""
     n0 = pl.program_id(0) * bn
 
-    def body(i, acc):
+    def load(i):
         cols = pl.ds(i * bw, bw)
         x_pairs = [jnp.broadcast_to(x_ref[pl.ds(j, 1), cols], (bn, bw)) for j in range(x_ref.shape[0])]
         scale = None
-        if fmt == "nvfp4":  # each group's scale, once for each of its two words
-            groups = i * (bw // 2) + jnp.arange(bw) // 2
-            scale = s_ref[n0 + jnp.arange(bn)[:, None], groups[None, :]].astype(jnp.float32)
-        return _half_products(fmt, w_ref[pl.ds(n0, bn), cols], x_pairs, scale, acc, ptx)
+        if fmt == "nvfp4":  # each group's scale, once for each of its two words (a contiguous load, no gather)
+            groups = s_ref[pl.ds(n0, bn), pl.ds(i * (bw // 2), bw // 2)].astype(jnp.float32)
+            scale = jnp.broadcast_to(groups[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+        return w_ref[pl.ds(n0, bn), cols], x_pairs, scale
 
-    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bn, bw), jnp.float32))
+    def body(i, carry):
+        acc, (words, x_pairs, scale) = carry
+        ahead = load(jnp.minimum(i + 1, k_steps - 1))  # the last step reloads its own tiles
+        return _half_products(fmt, words, x_pairs, scale, acc, ptx), ahead
+
+    acc, _ = jax.lax.fori_loop(0, k_steps, body, (jnp.zeros((bn, bw), jnp.float32), load(0)))
     out = jnp.sum(acc, axis=1) * post_ref[0]
     if fmt == "nvfp4":
         out = out * (g_ref[0] * E2M1_IN_E4M3)  # the global scale, and the transcode's 2^-6 undone
@@ -506,6 +514,11 @@ ONE_ROW_TILINGS = {
 }
 MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 one row under HALF_MIN_BYTES
 HALF_MIN_BYTES = 32 << 20
+# A packed-half GEMV with fewer programs than this runs 8 warps each: a short, wide weight (the 27B MLP's
+# down projection [5120, 17408]: 320 programs) otherwise leaves the H200's 132 SMs too few warps to hide
+# memory latency. H200: at 320 programs NVFP4 22.7 against 36.6 us, int8 36.2 against 40.5, fp8 35.5
+# against 41.9; at 512 8 warps are 3-13% faster; at 1088 ([17408, 5120]) 4 warps are (16.6 against 18.0).
+FEW_PROGRAMS = 1024
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),
     "fp8": Tiling(64, 256, 1, 4, 3),
@@ -523,6 +536,8 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
     one_row = ONE_ROW_TILINGS[w.format]
     if w.format in ("int8", "fp8") and w.data.size < HALF_MIN_BYTES:
         one_row = MULTIPLY_AND_SUM_TILING
+    if one_row.packed_halves and w.shape[0] // one_row.block_n < FEW_PROGRAMS:
+        one_row = dataclasses.replace(one_row, num_warps=8)
     fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)
     tried = (one_row, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
     return next((t for t in (*tried, Tiling()) if t.fits(w)), None)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.quant_matmul import (
+    FEW_PROGRAMS,
     FORMATS,
     GEMV_FALLBACK,
     MANY_ROWS_TILINGS,
@@ -107,14 +108,25 @@ def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
 def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
     w = quantize(np.ones((N, 2560), np.float32), "int8")
     assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == MULTIPLY_AND_SUM_TILING  # 1.3 MB: one launch
-    big = QuantizedWeight(jax.ShapeDtypeStruct((8192, HALF_MIN_BYTES // 8192), jnp.int8),
-                          jax.ShapeDtypeStruct((8192,), jnp.float32), None, "int8")
-    assert pick_tiling(jnp.zeros((1, HALF_MIN_BYTES // 8192), jnp.bfloat16), big) == ONE_ROW_TILINGS["int8"]
+    rows = 16 * FEW_PROGRAMS  # enough programs to keep 4 warps each
+    big = QuantizedWeight(jax.ShapeDtypeStruct((rows, HALF_MIN_BYTES // rows), jnp.int8),
+                          jax.ShapeDtypeStruct((rows,), jnp.float32), None, "int8")
+    assert pick_tiling(jnp.zeros((1, HALF_MIN_BYTES // rows), jnp.bfloat16), big) == ONE_ROW_TILINGS["int8"]
     assert ONE_ROW_TILINGS["int8"].packed_halves
     assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w).gemv
     assert pick_tiling(jnp.zeros((2, 2560), jnp.bfloat16), w) == MANY_ROWS_TILINGS["int8"]
     w = quantize(np.ones((N, 384), np.float32), "int8")  # K = 384: 512 does not divide it, the GEMV fallback does
     assert pick_tiling(jnp.zeros((1, 384), jnp.bfloat16), w) == GEMV_FALLBACK
+
+
+def test_dispatch_gives_few_packed_half_programs_more_warps():
+    """A short, wide weight makes few 16-row programs: they get 8 warps; a tall one keeps 4."""
+    def one_row(n):
+        w = QuantizedWeight(jax.ShapeDtypeStruct((n, 5120 // 2), jnp.uint8), jax.ShapeDtypeStruct((n, 5120 // 16), jnp.float8_e4m3fn),
+                            jax.ShapeDtypeStruct((), jnp.float32), "nvfp4")
+        return pick_tiling(jnp.zeros((1, 5120), jnp.bfloat16), w)
+    assert one_row(16 * (FEW_PROGRAMS - 1)).num_warps == 8
+    assert one_row(16 * FEW_PROGRAMS) == ONE_ROW_TILINGS["nvfp4"] and ONE_ROW_TILINGS["nvfp4"].num_warps == 4
 
 
 @pytest.mark.parametrize("M, tiling", [(1, Tiling(16, 512, 1, gemv=True)), (1, Tiling(16, 64, 2, gemv=True)),
@@ -197,7 +209,7 @@ def run_ptx(asm: str, inputs: dict[int, int]) -> dict[str, int]:
     """A tiny interpreter for the PTX the GPU decodes and packed-half products use, so their bit
     recipes and lane orders are checked on the CPU. Registers hold bit patterns: integer ops (xor,
     and, or, shl, shr, prmt), mov (also packing and unpacking {lo, hi} halves), float32 sub / add /
-    fma, f16x2 sub / add / mul / fma (each lane rounded once), and the cvts to f16x2 and f32."""
+    fma, f16x2 sub / add / mul / fma (each lane rounded once), f16 add, and the cvts to f16x2 and f32."""
     regs = {f"${n}": v for n, v in inputs.items()}
     value = lambda t: regs[t] if t in regs else int(t[2:], 16) if t.startswith("0f") else int(t, 0)
     f32 = lambda u: np.array([u], np.uint32).view(np.float32)[0].astype(np.float64)
@@ -226,7 +238,8 @@ def run_ptx(asm: str, inputs: dict[int, int]) -> dict[str, int]:
            "fma.f32": lambda a, b, c: u32(f32(a) * f32(b) + f32(c)),
            "sub.f16x2": lambda a, b: packed(lanes(a) - lanes(b)), "add.f16x2": lambda a, b: packed(lanes(a) + lanes(b)),
            "mul.f16x2": lambda a, b: packed(lanes(a) * lanes(b)),
-           "fma.f16x2": lambda a, b, c: packed(lanes(a) * lanes(b) + lanes(c))}
+           "fma.f16x2": lambda a, b, c: packed(lanes(a) * lanes(b) + lanes(c)),
+           "add.f16": lambda a, b: int(np.float16(half(a) + half(b)).view(np.uint16))}
     for stmt in asm.replace("{\n", "\n").replace("\n}", "\n").split(";"):
         stmt = stmt.strip()
         if not stmt or stmt.startswith(".reg"):
