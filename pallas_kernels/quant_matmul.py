@@ -372,10 +372,12 @@ def half_row(x: jax.Array, fmt: str, interpret: bool = False) -> tuple[jax.Array
 
 def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bw: int, k_steps: int,
                       ptx: bool):
-    """Program i: output columns [i bn, (i + 1) bn) of the one row. One float32 accumulator a weight
-    word [bn, bw] (the PTX fills every other one), summed after the K loop. Each step's tiles are
-    loaded a step ahead and carried through the loop, so their latency hides behind the products."""
+    """Program (i, j): output columns [i bn, (i + 1) bn) of the one row over the j-th of the split K
+    ranges. One float32 accumulator a weight word [bn, bw] (the PTX fills every other one), summed
+    after the K loop. Each step's tiles are loaded a step ahead and carried through the loop, so
+    their latency hides behind the products."""
     n0 = pl.program_id(0) * bn
+    first_step = pl.program_id(1) * k_steps
 
     def load(i):
         cols = pl.ds(i * bw, bw)
@@ -388,10 +390,10 @@ def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, 
 
     def body(i, carry):
         acc, (words, x_pairs, scale) = carry
-        ahead = load(jnp.minimum(i + 1, k_steps - 1))  # the last step reloads its own tiles
+        ahead = load(first_step + jnp.minimum(i + 1, k_steps - 1))  # the last step reloads its own tiles
         return _half_products(fmt, words, x_pairs, scale, acc, ptx), ahead
 
-    acc, _ = jax.lax.fori_loop(0, k_steps, body, (jnp.zeros((bn, bw), jnp.float32), load(0)))
+    acc, _ = jax.lax.fori_loop(0, k_steps, body, (jnp.zeros((bn, bw), jnp.float32), load(first_step)))
     out = jnp.sum(acc, axis=1) * post_ref[0]
     if fmt == "nvfp4":
         out = out * (g_ref[0] * E2M1_IN_E4M3)  # the global scale, and the transcode's 2^-6 undone
@@ -413,16 +415,18 @@ def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool)
     per_word = VALUES_PER_WORD[w.format]
     x_pairs, post = half_row(x, w.format, interpret)
     words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // per_word, 4), jnp.int32)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i: (0,) * a.ndim)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
     args = (x_pairs, post, words, *_scale_operands(w))
     kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, bw=t.block_k // per_word,
-                               k_steps=K // t.block_k, ptx=not interpret)
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((1, N), x.dtype), grid=(N // t.block_n,),
-        in_specs=[whole(a) for a in args], out_specs=pl.BlockSpec((1, t.block_n), lambda i: (0, i)),
+                               k_steps=K // (t.block_k * t.split_k), ptx=not interpret)
+    out = pl.pallas_call(  # one K range writes x's dtype; split K writes float32 partial sums
+        kernel, out_shape=jax.ShapeDtypeStruct((t.split_k, 1, N), x.dtype if t.split_k == 1 else jnp.float32),
+        grid=(N // t.block_n, t.split_k), in_specs=[whole(a) for a in args],
+        out_specs=pl.BlockSpec((None, 1, t.block_n), lambda i, j: (j, 0, i)),
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret, name=f"quant_gemv_{w.format}",
     )(*args)
+    return out[0] if t.split_k == 1 else jnp.sum(out, axis=0).astype(x.dtype)
 
 
 def next_pow2(n: int) -> int:
@@ -434,8 +438,8 @@ class Tiling:
     """How the kernel cuts the work: block_n output columns per program, block_k of K per loop
     step, K split over split_k programs (partial sums added after), Triton's warps and stages;
     with gemv, a single activation row is contracted without a tensor-core dot on rows padded to
-    16: by float32 multiply-and-sum, or with packed_halves by f16 pairs (HALF_FORMATS only; K
-    unsplit, block_k at least two weight words)."""
+    16: by float32 multiply-and-sum, or with packed_halves by f16 pairs (HALF_FORMATS only, block_k
+    at least two weight words)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -452,7 +456,7 @@ class Tiling:
         N, K = w.shape
         pow2 = all(b == next_pow2(b) for b in (self.block_n, self.block_k))
         rows_in_scale_block = w.format != "fp8_block" or BLOCK % self.block_n == 0
-        half = not self.packed_halves or (self.gemv and w.format in HALF_FORMATS and self.split_k == 1
+        half = not self.packed_halves or (self.gemv and w.format in HALF_FORMATS
                                           and self.block_k >= 2 * VALUES_PER_WORD[w.format])
         divides = N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0
         return pow2 and divides and rows_in_scale_block and half
@@ -471,7 +475,7 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     if not t.fits(w):  # a tile past the edge would read and write out of bounds, silently
         raise ValueError(f"tiling {t} does not divide a [{N}, {K}] {w.format} weight (block_n | N, "
                          f"block_k * split_k | K; fp8_block also block_n | 128 and block_k | 128; a "
-                         f"packed-half GEMV: one row of {', '.join(HALF_FORMATS)}, split_k = 1, "
+                         f"packed-half GEMV: one row of {', '.join(HALF_FORMATS)}, "
                          f"two weight words a step)")
     if M == 1 and t.packed_halves:
         return _half_gemv(x, w, t, interpret)
@@ -514,10 +518,13 @@ ONE_ROW_TILINGS = {
 }
 MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 one row under HALF_MIN_BYTES
 HALF_MIN_BYTES = 32 << 20
-# A packed-half GEMV with fewer programs than this runs 8 warps each: a short, wide weight (the 27B MLP's
-# down projection [5120, 17408]: 320 programs) otherwise leaves the H200's 132 SMs too few warps to hide
-# memory latency. H200: at 320 programs NVFP4 22.7 against 36.6 us, int8 36.2 against 40.5, fp8 35.5
-# against 41.9; at 512 8 warps are 3-13% faster; at 1088 ([17408, 5120]) 4 warps are (16.6 against 18.0).
+# A packed-half GEMV with fewer programs than FEW_PROGRAMS runs 8 warps each, and where half that few and
+# the weight is big (HALF_MIN_BYTES) its K is split in two: a short, wide weight (the 27B MLP's down
+# projection [5120, 17408]: 320 programs) otherwise leaves the H200's 132 SMs too few warps to hide memory
+# latency. H200, GPU time with the row kernel and the partial sums' addition (1.0-1.1 us): NVFP4 20.1 us
+# against 39.8 with 4 warps unsplit (25.5 with 8), int8 28.9 against 43.3, fp8 28.4 against 44.5. At 0.8B
+# projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a split costs its addition; at 512
+# programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps unsplit are (NVFP4 18.1 against 19.8).
 FEW_PROGRAMS = 1024
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),
@@ -536,10 +543,13 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
     one_row = ONE_ROW_TILINGS[w.format]
     if w.format in ("int8", "fp8") and w.data.size < HALF_MIN_BYTES:
         one_row = MULTIPLY_AND_SUM_TILING
-    if one_row.packed_halves and w.shape[0] // one_row.block_n < FEW_PROGRAMS:
+    programs = w.shape[0] // one_row.block_n
+    if one_row.packed_halves and programs < FEW_PROGRAMS:
         one_row = dataclasses.replace(one_row, num_warps=8)
+    split = one_row.packed_halves and 2 * programs < FEW_PROGRAMS and w.data.size >= HALF_MIN_BYTES
+    split_row = dataclasses.replace(one_row, split_k=2) if split else one_row
     fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)
-    tried = (one_row, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
+    tried = (split_row, one_row, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
     return next((t for t in (*tried, Tiling()) if t.fits(w)), None)
 
 

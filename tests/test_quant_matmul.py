@@ -1,6 +1,7 @@
 """Quantized matmuls: the formats' dequantization, and the Pallas kernel in interpret mode against
 dequantize-then-dot (bf16 output, ~2e-3 relative)."""
 
+import dataclasses
 import re
 import warnings
 
@@ -82,13 +83,15 @@ def test_kernel_matches_dequantize_then_dot(fmt, M, gemv, packed):
     assert rel(got, want) < 2e-3 * 4  # bf16 output rounding plus bf16 dequantized tiles
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_split_k_partial_sums_add_up(fmt):
-    """K cut over 2 programs per column block (the small-M tiling) gives the same product."""
+@pytest.mark.parametrize("fmt, tiling", [(fmt, Tiling(block_n=32, block_k=64, split_k=2)) for fmt in FORMATS] + [
+    (fmt, Tiling(16, 64, split_k=2, gemv=True, packed_halves=True)) for fmt in ("int8", "fp8", "nvfp4")])
+def test_split_k_partial_sums_add_up(fmt, tiling):
+    """K cut over 2 programs per column block (the small-M tiling; a one-row GEMV of few programs)
+    gives the same product, each range its two steps."""
     rng = np.random.default_rng(5)
     w = quantize(rng.normal(size=(N, K)).astype(np.float32), fmt)
     x = jnp.asarray(rng.normal(size=(1, K)), jnp.bfloat16)
-    got = quant_matmul_pallas(x, w, tiling=Tiling(block_n=32, block_k=64, split_k=2), interpret=True)
+    got = quant_matmul_pallas(x, w, tiling=tiling, interpret=True)
     assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 4
 
 
@@ -119,14 +122,18 @@ def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
     assert pick_tiling(jnp.zeros((1, 384), jnp.bfloat16), w) == GEMV_FALLBACK
 
 
-def test_dispatch_gives_few_packed_half_programs_more_warps():
-    """A short, wide weight makes few 16-row programs: they get 8 warps; a tall one keeps 4."""
-    def one_row(n):
-        w = QuantizedWeight(jax.ShapeDtypeStruct((n, 5120 // 2), jnp.uint8), jax.ShapeDtypeStruct((n, 5120 // 16), jnp.float8_e4m3fn),
+def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_split_k():
+    """A short, wide weight makes few 16-row programs: they get 8 warps, and K is split in two where
+    the programs stay few and the weight is big; a tall weight keeps 4 warps, unsplit."""
+    def one_row(n, k=5120):
+        w = QuantizedWeight(jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
                             jax.ShapeDtypeStruct((), jnp.float32), "nvfp4")
-        return pick_tiling(jnp.zeros((1, 5120), jnp.bfloat16), w)
-    assert one_row(16 * (FEW_PROGRAMS - 1)).num_warps == 8
+        return pick_tiling(jnp.zeros((1, k), jnp.bfloat16), w)
+    assert one_row(16 * (FEW_PROGRAMS - 1)) == dataclasses.replace(ONE_ROW_TILINGS["nvfp4"], num_warps=8)
     assert one_row(16 * FEW_PROGRAMS) == ONE_ROW_TILINGS["nvfp4"] and ONE_ROW_TILINGS["nvfp4"].num_warps == 4
+    assert one_row(5120, 17408) == dataclasses.replace(ONE_ROW_TILINGS["nvfp4"], num_warps=8, split_k=2)  # 27B down
+    assert one_row(5120, 17408 + 512).split_k == 1  # 2 x 512 does not divide K: unsplit, 8 warps
+    assert one_row(1024, 3584).split_k == 1  # 0.8B: 1.8 MB, the partial sums' addition would cost more
 
 
 @pytest.mark.parametrize("M, tiling", [(1, Tiling(16, 512, 1, gemv=True)), (1, Tiling(16, 64, 2, gemv=True)),
