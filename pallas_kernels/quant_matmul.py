@@ -503,8 +503,9 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
 
 
 # Tilings measured on the H200 (BENCHMARKS.md). One activation row of a 27B MLP matrix [17408,
-# 5120] (decode at batch 1): per format the fastest, K unsplit so no partial sums to add; the packed
-# halves take 64 weight words a step, int8 and fp8 4 stages deep (25.7-26.1 against 25.9-26.3 us).
+# 5120] (decode at batch 1): per format the fastest, K unsplit so no partial sums to add (short, wide
+# weights differ: FEW_PROGRAMS below); the packed halves take 64 weight words a step, int8 and fp8 4
+# stages deep (25.7-26.1 against 25.9-26.3 us).
 # int8 and fp8 take the packed halves only from HALF_MIN_BYTES of weight: below that their row
 # kernel's launch (1.1-1.5 us) outweighs the 8% they save (a 0.8B projection of 3.7 MB: 3.1 against
 # 2.8 us; 89 MB: 26 against 27.7 us). NVFP4 takes them at every size (3.5 against 5.5 us).
@@ -518,13 +519,15 @@ ONE_ROW_TILINGS = {
 }
 MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 one row under HALF_MIN_BYTES
 HALF_MIN_BYTES = 32 << 20
-# A packed-half GEMV with fewer programs than FEW_PROGRAMS runs 8 warps each, and where half that few and
-# the weight is big (HALF_MIN_BYTES) its K is split in two: a short, wide weight (the 27B MLP's down
-# projection [5120, 17408]: 320 programs) otherwise leaves the H200's 132 SMs too few warps to hide memory
-# latency. H200, GPU time with the row kernel and the partial sums' addition (1.0-1.1 us): NVFP4 20.1 us
-# against 39.8 with 4 warps unsplit (25.5 with 8), int8 28.9 against 43.3, fp8 28.4 against 44.5. At 0.8B
-# projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a split costs its addition; at 512
-# programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps unsplit are (NVFP4 18.1 against 19.8).
+# A packed-half GEMV with fewer programs than FEW_PROGRAMS runs 8 warps each; where half that few and the
+# weight is big (HALF_MIN_BYTES), K is split, 4 ways (4 warps) where that divides it, else 2 (8 warps). A
+# short, wide weight (the 27B MLP's down projection [5120, 17408]: 320 programs) otherwise leaves the
+# H200's 132 SMs too few warps to hide memory latency. H200, GPU time with the row kernel and the partial
+# sums' addition (1.0-1.1 us), runs 7-8: int8 27.9-28.1 us split 4 (28.9-29.2 split 2 with 8 warps; 42.5-43.3
+# before), fp8 27.4-27.5 (28.4-28.9; 43.8-44.5), NVFP4 19.7-20.1 split 2 (8 warps unsplit 25.3-25.5; 38.9-39.8;
+# 4 ways does not divide K there). At 0.8B projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a
+# split costs its addition; at 512 programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps
+# unsplit are (NVFP4 18.0 against 19.6, int8 26.3 against 32.5).
 FEW_PROGRAMS = 1024
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),
@@ -544,12 +547,13 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
     if w.format in ("int8", "fp8") and w.data.size < HALF_MIN_BYTES:
         one_row = MULTIPLY_AND_SUM_TILING
     programs = w.shape[0] // one_row.block_n
+    one_rows = (one_row,)
     if one_row.packed_halves and programs < FEW_PROGRAMS:
-        one_row = dataclasses.replace(one_row, num_warps=8)
-    split = one_row.packed_halves and 2 * programs < FEW_PROGRAMS and w.data.size >= HALF_MIN_BYTES
-    split_row = dataclasses.replace(one_row, split_k=2) if split else one_row
+        wide = dataclasses.replace(one_row, num_warps=8)
+        split = 2 * programs < FEW_PROGRAMS and w.data.size >= HALF_MIN_BYTES
+        one_rows = (dataclasses.replace(one_row, split_k=4), dataclasses.replace(wide, split_k=2), wide) if split else (wide,)
     fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)
-    tried = (split_row, one_row, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
+    tried = (*one_rows, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
     return next((t for t in (*tried, Tiling()) if t.fits(w)), None)
 
 
