@@ -520,7 +520,8 @@ ONE_ROW_TILINGS = {
 MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 one row under HALF_MIN_BYTES
 HALF_MIN_BYTES = 32 << 20
 # A packed-half GEMV with fewer programs than FEW_PROGRAMS runs 8 warps each; where half that few and the
-# weight is big (HALF_MIN_BYTES), K is split, 4 ways (4 warps) where that divides it, else 2 (8 warps). A
+# weight is big (HALF_MIN_BYTES), any one-row GEMV splits K, 4 ways (4 warps) where that divides it, else
+# 2 (packed halves: with 8 warps; fp8 blocks' multiply-and-sum keeps 4: 28.3 us against 40.4 unsplit). A
 # short, wide weight (the 27B MLP's down projection [5120, 17408]: 320 programs) otherwise leaves the
 # H200's 132 SMs too few warps to hide memory latency. H200, GPU time with the row kernel and the partial
 # sums' addition (1.0-1.1 us), runs 7-8: int8 27.9-28.1 us split 4 (28.9-29.2 split 2 with 8 warps; 42.5-43.3
@@ -548,8 +549,8 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
         one_row = MULTIPLY_AND_SUM_TILING
     programs = w.shape[0] // one_row.block_n
     one_rows = (one_row,)
-    if one_row.packed_halves and programs < FEW_PROGRAMS:
-        wide = dataclasses.replace(one_row, num_warps=8)
+    if programs < FEW_PROGRAMS:
+        wide = dataclasses.replace(one_row, num_warps=8) if one_row.packed_halves else one_row
         split = 2 * programs < FEW_PROGRAMS and w.data.size >= HALF_MIN_BYTES
         one_rows = (dataclasses.replace(one_row, split_k=4), dataclasses.replace(wide, split_k=2), wide) if split else (wide,)
     fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)

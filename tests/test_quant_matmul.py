@@ -127,11 +127,7 @@ def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_spl
     programs stay few and the weight is big (4 ways with 4 warps if that divides K, else 2 with 8); a
     tall weight keeps 4 warps, unsplit."""
     def one_row(n, k=5120, fmt="nvfp4"):
-        nvfp4 = fmt == "nvfp4"
-        w = QuantizedWeight(jax.ShapeDtypeStruct((n, k // 2 if nvfp4 else k), jnp.uint8 if nvfp4 else jnp.int8),
-                            jax.ShapeDtypeStruct((n, k // 16) if nvfp4 else (n,), jnp.float8_e4m3fn if nvfp4 else jnp.float32),
-                            jax.ShapeDtypeStruct((), jnp.float32) if nvfp4 else None, fmt)
-        return pick_tiling(jnp.zeros((1, k), jnp.bfloat16), w)
+        return pick_tiling(jnp.zeros((1, k), jnp.bfloat16), jax.eval_shape(lambda: quantize(jnp.ones((n, k)), fmt)))
     nvfp4, int8 = ONE_ROW_TILINGS["nvfp4"], ONE_ROW_TILINGS["int8"]
     assert one_row(16 * (FEW_PROGRAMS - 1)) == dataclasses.replace(nvfp4, num_warps=8)
     assert one_row(16 * FEW_PROGRAMS) == nvfp4 and nvfp4.num_warps == 4
@@ -139,6 +135,8 @@ def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_spl
     assert one_row(5120, 17408, "int8") == dataclasses.replace(int8, split_k=4)  # 4 x 256 does
     assert one_row(5120, 17408 + 512).split_k == 1  # 2 x 512 does not divide K either: unsplit, 8 warps
     assert one_row(1024, 3584).split_k == 1  # 0.8B: 1.8 MB, the partial sums' addition would cost more
+    blocks = ONE_ROW_TILINGS["fp8_block"]  # multiply-and-sum: split too, warps as they are
+    assert one_row(5120, 17408, "fp8_block") == dataclasses.replace(blocks, split_k=2) and not blocks.packed_halves
 
 
 @pytest.mark.parametrize("M, tiling", [(1, Tiling(16, 512, 1, gemv=True)), (1, Tiling(16, 64, 2, gemv=True)),
