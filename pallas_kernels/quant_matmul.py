@@ -332,20 +332,22 @@ def _half_row_kernel(x_ref, pairs_ref, post_ref, *, fmt: str, chunk: int):
     """Program c: words [c chunk, (c + 1) chunk) of the row x [K] as f16 pair words (int32) in
     pairs_ref [P, W], scaled by 2^shift so that the row's largest |x| lies in [2^(T-1), 2^T), and
     2^-shift in post_ref [1]. Every program finds the row's largest |x| itself (one masked load of
-    the whole row): no second launch, no serial loop."""
+    the whole row): no second launch, no serial loop. Its own chunk is loaded first, so that load is
+    in flight while the row's maximum is reduced (H200: 0.05-0.2 us of 1.2-1.8)."""
     K = x_ref.shape[0]
+    stride = VALUES_PER_WORD[fmt]
+    c = pl.program_id(0)
+    values = [x_ref[pl.ds(c * chunk * stride + offset, chunk, stride=stride)].astype(jnp.float32)
+              for offset in range(stride)]  # value `offset` of each of this program's words
     size = next_pow2(K)
     row = plt.load(x_ref.at[pl.ds(0, size)], mask=jnp.arange(size) < K, other=0.0)
     top = jnp.max(jnp.abs(row.astype(jnp.float32)))
     biased = (jax.lax.bitcast_convert_type(top, jnp.int32) >> 23) & 0xFF  # top = m 2^(biased - 126), m in [0.5, 1)
     shift = jnp.clip(X_TOP_EXPONENT[fmt] - (biased - 126), -126, 126)
     scale = _f32_power_of_two(shift)
-    stride = VALUES_PER_WORD[fmt]
-    c = pl.program_id(0)
 
     def f16_bits(offset):  # value `offset` of each of this program's words, scaled, as f16 bits
-        x = x_ref[pl.ds(c * chunk * stride + offset, chunk, stride=stride)].astype(jnp.float32)
-        return jax.lax.bitcast_convert_type((x * scale).astype(jnp.float16), jnp.int16).astype(jnp.int32) & 0xFFFF
+        return jax.lax.bitcast_convert_type((values[offset] * scale).astype(jnp.float16), jnp.int16).astype(jnp.int32) & 0xFFFF
 
     for j, (lo, hi) in enumerate(X_PAIR_VALUES[fmt]):
         pairs_ref[j, pl.ds(c * chunk, chunk)] = f16_bits(lo) | (f16_bits(hi) << 16)
