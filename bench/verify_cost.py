@@ -2,7 +2,7 @@
 tokens (verify) with each rollback, the commit, and the logits, each jitted and timed over
 back-to-back calls on a random model of a real geometry.
 
-    python bench/verify_cost.py --geometry 0.8b --batch 1 8 --k 1 3
+    python bench/verify_cost.py --geometry 0.8b --batch 1 8 --k 1 3 [--quantization nvfp4]
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from flax import nnx
 
 from bench.plain_decode import GEOMETRIES, RolledLayers, geometry_config, layer_scan
 from models.qwen3_5 import Batch, init_cache
+from pallas_kernels.quant_matmul import FORMATS
 from spec_jax.checkpoint import load_model
+from spec_jax.convert import convert
 from spec_jax.random_checkpoint import write_checkpoint
 
 
@@ -32,11 +34,14 @@ def timed(fn, *args, reps: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t) / reps
 
 
-def build_model(geometry: str):
+def build_model(geometry: str, quantization: str | None = None):
     """(config, graphdef, params) of a random bf16 model of a geometry, loaded through the
-    released checkpoint layout."""
+    released checkpoint layout, its projections converted to a weight-only format if given."""
     with tempfile.TemporaryDirectory() as tmp:
-        model, cfg = load_model(write_checkpoint(tmp, geometry_config(geometry), dtype="bfloat16"), "bfloat16")
+        src = write_checkpoint(tmp, geometry_config(geometry), dtype="bfloat16")
+        if quantization:
+            src = convert(src, f"{tmp}/quantized", "bfloat16", quantization)
+        model, cfg = load_model(src, "bfloat16")
     gdef, params = nnx.split(model)
     return cfg, gdef, params
 
@@ -66,8 +71,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=384, help="tokens already in the cache")
     ap.add_argument("--cache-len", type=int, default=512)
     ap.add_argument("--rolled-layers", action=RolledLayers)
+    ap.add_argument("--quantization", choices=FORMATS, default=None, help="weight-only format of the projections")
     args = ap.parse_args()
-    cfg, gdef, params = build_model(args.geometry)
+    cfg, gdef, params = build_model(args.geometry, args.quantization)
     L = args.cache_len
     forward = make_forward(gdef, L)
 
@@ -79,7 +85,7 @@ def main() -> None:
         base = None
         for name, T, rb in runs:
             tokens = jnp.ones((B, T), jnp.int32)
-            row = {"batch": B, "pass": name, "layers": layer_scan()}
+            row = {"batch": B, "pass": name, "layers": layer_scan(), "quantization": args.quantization}
             for with_logits in (False, True):
                 fn = jax.jit(lambda p, t, s, c, rb=rb, wl=with_logits: forward(p, t, s, c, rb, wl))
                 row["ms_with_logits" if with_logits else "ms_body"] = timed(fn, params, tokens, start, cache)
