@@ -521,16 +521,17 @@ ONE_ROW_TILINGS = {
 }
 MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 one row under HALF_MIN_BYTES
 HALF_MIN_BYTES = 32 << 20
-# A packed-half GEMV with fewer programs than FEW_PROGRAMS runs 8 warps each; where half that few and the
-# weight is big (HALF_MIN_BYTES), any one-row GEMV splits K, 4 ways (4 warps) where that divides it, else
-# 2 (packed halves: with 8 warps; fp8 blocks' multiply-and-sum keeps 4: 28.3 us against 40.4 unsplit). A
-# short, wide weight (the 27B MLP's down projection [5120, 17408]: 320 programs) otherwise leaves the
-# H200's 132 SMs too few warps to hide memory latency. H200, GPU time with the row kernel and the partial
-# sums' addition (1.0-1.1 us), runs 7-8: int8 27.9-28.1 us split 4 (28.9-29.2 split 2 with 8 warps; 42.5-43.3
-# before), fp8 27.4-27.5 (28.4-28.9; 43.8-44.5), NVFP4 19.7-20.1 split 2 (8 warps unsplit 25.3-25.5; 38.9-39.8;
-# 4 ways does not divide K there). At 0.8B projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a
-# split costs its addition; at 512 programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps
-# unsplit are (NVFP4 18.0 against 19.6, int8 26.3 against 32.5).
+# Short, wide weights: too few 16-row programs leave the H200's 132 SMs too few warps to hide memory
+# latency (the 27B MLP's down projection [5120, 17408] makes 320). Under FEW_PROGRAMS programs:
+#   - packed halves run 8 warps each;
+#   - under half that many, with a big weight (HALF_MIN_BYTES), any one-row GEMV splits K: 4 ways with
+#     4 warps where 4 steps divide K, else 2 ways (packed halves with 8 warps).
+# H200, [5120, 17408], GPU time with the row kernel and the partial sums' addition (1.0-1.1 us), runs 7-9:
+# int8 27.9-28.1 us split 4 (split 2 with 8 warps 28.9-29.2; before 42.5-43.3), fp8 27.4-27.5 (28.4-28.9;
+# 43.8-44.5), NVFP4 19.7-20.1 split 2 (8 warps unsplit 25.3-25.5; before 38.9-39.8), fp8 blocks 28.3 split 2
+# (40.4). At 0.8B projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a split costs its
+# addition; at 512 programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps unsplit are (NVFP4
+# 18.0 against 19.6, int8 26.3 against 32.5).
 FEW_PROGRAMS = 1024
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),
