@@ -156,16 +156,23 @@ mov.b32 $0, r0; mov.b32 $1, r1; mov.b32 $2, r2; mov.b32 $3, r3;
 sub.f32 $0, $0, 0f4B000080; sub.f32 $1, $1, 0f4B000080;
 sub.f32 $2, $2, 0f4B000080; sub.f32 $3, $3, 0f4B000080;
 }"""
-# e2m1 (s e e m) -> e4m3 (s 0 0 e e m 0 0), whose value is the e2m1 value times 2^-6 (e = 0
-# included: both are subnormal there), four bytes a word: the low nibbles, then the high ones (two
-# blocks: Pallas lowers an inline-asm call with one result only).
-_E2M1_TO_E4M3_PTX = ("""{
-.reg .b32 a, b;
-shl.b32 a, $1, 4; and.b32 a, a, 0x80808080; shl.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; or.b32 $0, a, b;
-}""", """{
-.reg .b32 b;
-shr.b32 b, $1, 2; and.b32 b, b, 0x1C1C1C1C; and.b32 $0, $1, 0x80808080; or.b32 $0, $0, b;
-}""")
+
+
+def _e2m1_to_e4m3_ptx(src: str, low: str, high: str) -> tuple[str, str]:
+    """PTX lines that transcode word `src`'s low nibbles into register `low` and its high ones into
+    `high` (temporaries t and u): e2m1 (s e e m) -> e4m3 (s 0 0 e e m 0 0), four bytes a word, whose
+    value is the e2m1 value times 2^-6 (e = 0 included: both are subnormal there)."""
+    return (f"shl.b32 t, {src}, 4; and.b32 t, t, 0x80808080; shl.b32 u, {src}, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 {low}, t, u;",
+            f"shr.b32 u, {src}, 2; and.b32 u, u, 0x1C1C1C1C; and.b32 t, {src}, 0x80808080; or.b32 {high}, t, u;")
+
+
+def _e4m3_to_f16_pairs_ptx(n: int) -> str:
+    """PTX that widens the e4m3 byte pairs l0..l{n-1} into f16 pairs h0..h{n-1}."""
+    return " ".join(f"cvt.rn.f16x2.e4m3x2 h{i}, l{i};" for i in range(n))
+
+
+# Two blocks, one per half: Pallas lowers an inline-asm call with one result only.
+_E2M1_TO_E4M3_PTX = tuple("{\n.reg .b32 t, u;\n" + line + "\n}" for line in _e2m1_to_e4m3_ptx("$1", "$0", "$0"))
 E2M1_IN_E4M3 = 64.0  # 2^6: what the transcoded e4m3 values are scaled down by
 
 
@@ -274,21 +281,17 @@ xor.b32 t, $2, 0x80808080; prmt.b32 h0, t, 0x64646464, 0x4140; prmt.b32 h1, t, 0
 xor.b32 t, $3, 0x80808080; prmt.b32 h2, t, 0x64646464, 0x4140; prmt.b32 h3, t, 0x64646464, 0x4342;
 sub.f16x2 h0, h0, m; sub.f16x2 h1, h1, m; sub.f16x2 h2, h2, m; sub.f16x2 h3, h3, m;
 """ + _PAIR_PRODUCTS
-_FP8_HALF_PTX = _HALF_REGS + """mov.b32 {l0, l1}, $2; mov.b32 {l2, l3}, $3;
-cvt.rn.f16x2.e4m3x2 h0, l0; cvt.rn.f16x2.e4m3x2 h1, l1; cvt.rn.f16x2.e4m3x2 h2, l2; cvt.rn.f16x2.e4m3x2 h3, l3;
-""" + _PAIR_PRODUCTS
+_FP8_HALF_PTX = (_HALF_REGS + "mov.b32 {l0, l1}, $2; mov.b32 {l2, l3}, $3;\n" + _e4m3_to_f16_pairs_ptx(4) + "\n"
+                 + _PAIR_PRODUCTS)
 # NVFP4: two words are one 16-value group. Each word's low nibbles (values 0, 2, 4, 6) and high ones
 # (1, 3, 5, 7) are transcoded to e4m3 as in _E2M1_TO_E4M3_PTX (times 2^-6), widened to f16 pairs and
 # met by activation arrays A (values 0, 2), B (4, 6), C (1, 3), D (5, 7) in one chain of eight
 # fma.f16x2; its two lanes are added in f16 (one instruction where two conversions and a float32 add
 # were), and the sum times $12, the group's scale, goes to the accumulator.
 _NVFP4_HALF_PTX = _HALF_REGS + "\n".join(
-    f"shl.b32 t, {w}, 4; and.b32 t, t, 0x80808080; shl.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 e{2 * i}, t, u;\n"
-    f"shr.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; and.b32 t, {w}, 0x80808080; or.b32 e{2 * i + 1}, t, u;"
-    for i, w in enumerate(("$2", "$3"))) + """
+    "\n".join(_e2m1_to_e4m3_ptx(w, f"e{2 * i}", f"e{2 * i + 1}")) for i, w in enumerate(("$2", "$3"))) + """
 mov.b32 {l0, l1}, e0; mov.b32 {l2, l3}, e1; mov.b32 {l4, l5}, e2; mov.b32 {l6, l7}, e3;
-cvt.rn.f16x2.e4m3x2 h0, l0; cvt.rn.f16x2.e4m3x2 h1, l1; cvt.rn.f16x2.e4m3x2 h2, l2; cvt.rn.f16x2.e4m3x2 h3, l3;
-cvt.rn.f16x2.e4m3x2 h4, l4; cvt.rn.f16x2.e4m3x2 h5, l5; cvt.rn.f16x2.e4m3x2 h6, l6; cvt.rn.f16x2.e4m3x2 h7, l7;
+""" + _e4m3_to_f16_pairs_ptx(8) + """
 mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p; fma.rn.f16x2 p, h2, $8, p; fma.rn.f16x2 p, h3, $10, p;
 fma.rn.f16x2 p, h4, $5, p; fma.rn.f16x2 p, h5, $7, p; fma.rn.f16x2 p, h6, $9, p; fma.rn.f16x2 p, h7, $11, p;
 mov.b32 {a, b}, p; add.rn.f16 a, a, b; cvt.f32.f16 fa, a;
