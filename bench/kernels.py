@@ -85,23 +85,24 @@ def matmul_time_us(f, x, reps=200):
 
 def tilings(fmt: str, M: int) -> list[Tiling]:
     """Tilings to try: (block_n, block_k, split_k, warps, stages), and for one row the GEMV ones,
-    the last field saying packed halves (int8, fp8, NVFP4) or float32 multiply-and-sum.
+    the last field saying packed halves or float32 multiply-and-sum.
     An fp8-block tile's rows stay inside one 128-row scale block; small M wants many programs in
     flight (small block_n, or split K). The dispatcher's choices (`quant_matmul.ONE_ROW_TILINGS`,
     `MULTIPLY_AND_SUM_TILING`, `MANY_ROWS_TILINGS`) are among them."""
     if fmt == "fp8_block":
         shapes = [(64, 256, 1, 4, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (64, 128, 1, 4, 3), (64, 512, 2, 8, 3)]
-        gemv = [(16, 512, 1, 4, 3, False), (16, 256, 1, 4, 3, False), (32, 512, 1, 4, 3, False), (16, 1024, 1, 4, 3, False)]
+        gemv = [(16, 512, 1, 4, 3, False), (16, 256, 1, 4, 3, False), (16, 256, 1, 4, 4, True), (16, 512, 2, 8, 4, True),
+                (32, 256, 4, 4, 4, True), (16, 256, 4, 4, 4, True)]
     elif fmt == "nvfp4":
         shapes = [(32, 128, 1, 4, 3), (32, 128, 4, 4, 3), (64, 128, 4, 4, 3), (32, 256, 2, 4, 3), (16, 256, 4, 4, 3)]
         gemv = [(16, 512, 1, 4, 3, True), (16, 256, 1, 4, 3, True), (8, 512, 1, 4, 3, True), (16, 512, 1, 4, 4, True),
-                (16, 1024, 1, 4, 3, True), (16, 512, 1, 8, 3, True), (16, 512, 2, 8, 3, True)]
+                (16, 1024, 1, 4, 3, True), (16, 512, 1, 8, 3, True), (16, 512, 2, 8, 3, True), (16, 256, 4, 4, 3, True)]
     else:
         shapes = [(64, 128, 1, 4, 3), (64, 256, 1, 4, 3), (32, 256, 2, 4, 3), (32, 512, 1, 4, 3),
                   (64, 256, 2, 4, 4), (64, 512, 2, 8, 3), (128, 256, 4, 8, 3), (32, 256, 4, 4, 4)]
         gemv = [(16, 256, 1, 4, 3, True), (16, 128, 1, 4, 3, True), (8, 256, 1, 4, 3, True), (16, 256, 1, 4, 4, True),
                 (16, 512, 1, 4, 3, False), (16, 256, 1, 4, 3, False), (16, 256, 1, 8, 4, True), (16, 256, 2, 8, 4, True),
-                (16, 256, 4, 4, 4, True)]
+                (16, 256, 4, 4, 4, True), (16, 512, 2, 8, 4, True)]
     if M > 8:
         shapes = shapes[:3]
     one_row = [Tiling(*s[:5], gemv=True, packed_halves=s[5]) for s in gemv] if M == 1 else []

@@ -12,9 +12,9 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
 elsewhere. The kernel runs one program per block of BN output channels (and per K range when K
 is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
 float32. A single activation row (decode at batch 1) is contracted by packed f16 pairs in their own
-kernels (below; fp8 blocks by multiply-and-sum); more rows by a bf16 tensor-core dot on rows padded to
-16 (Triton's smallest). On the GPU the int8 and e2m1 decodes are inline PTX bit tricks (int8
-without the int-to-float converter; e2m1 transcoded to e4m3, which the GPU widens two at a time).
+kernels (below); more rows by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). On
+the GPU the int8 and e2m1 decodes are inline PTX bit tricks (int8 without the int-to-float
+converter; e2m1 transcoded to e4m3, which the GPU widens two at a time).
 Measured one-row figures are in BENCHMARKS.md.
 """
 
@@ -251,28 +251,32 @@ def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, 
 
 # ----------------------------------------------------------------------------- one row: packed halves
 
-# One activation row (decode at batch 1) of int8, fp8 or NVFP4 weights. Multiply-and-sum in float32
-# costs 5 or more instructions a weight, and the H200 runs out of instruction issue before HBM runs
-# out of bytes. Here one inline-PTX call takes two 32-bit weight words, decodes them straight into
-# f16 pairs, multiplies them with f16 activation pairs two at a time (fma.f16x2) and adds the sum
-# (NVFP4: times the group's scale), in float32, to that word pair's accumulator: about 3
-# instructions a weight. f16 keeps the products and their short sums (4 terms a lane; NVFP4 16) to
-# 2^-11 when the activation row is first scaled by a power of two, its largest |x| into
-# [2^(T-1), 2^T): high enough that small values keep their bits, low enough that no sum leaves
-# f16's range (T below; the bound is terms x max |weight| x 2^T). A one-program kernel scales and
-# pairs the row first: one launch, where XLA took three fusions (3.6 us at a 27B shape).
-HALF_FORMATS = ("int8", "fp8", "nvfp4")
-X_TOP_EXPONENT = {"int8": 6, "fp8": 5, "nvfp4": 15}  # 4 x 128 x 2^6, 4 x 448 x 2^5, 16 x 6/64 x 2^15 < 65504
-VALUES_PER_WORD = {"int8": 4, "fp8": 4, "nvfp4": 8}
+# One activation row (decode at batch 1) of int8, fp8 (per channel or 128 blocks) or NVFP4 weights.
+# Multiply-and-sum in float32 costs 5 or more instructions a weight, and the H200 runs out of
+# instruction issue before HBM runs out of bytes. Here one inline-PTX call takes two 32-bit weight
+# words, decodes them straight into f16 pairs, multiplies them with f16 activation pairs two at a time
+# (fma.f16x2) and adds the sum, in float32 and times the words' scale, to that word pair's accumulator:
+# about 3 instructions a weight. f16 keeps the products and their short sums (4 terms a lane; NVFP4 16)
+# to 2^-11 when each program's K range of the activation row is first scaled by a power of two, its
+# largest |x| into [2^(T-1), 2^T): high enough that small values keep their bits, low enough that no sum
+# leaves f16's range (T below; the bound is terms x max |weight| x 2^T). A row kernel scales and pairs
+# the row first (one launch, where XLA took three fusions: 3.6 us at a 27B shape); each GEMV program
+# scales its sums back once, after its K loop. Converting the bf16 row inside the GEMV loop instead
+# costs more than the row kernel's launch (H200: int8 27.1 against 24.5 + 1.4 us; BENCHMARKS.md).
+HALF_FORMATS = ("int8", "fp8", "fp8_block", "nvfp4")
+X_TOP_EXPONENT = {"int8": 6, "fp8": 5, "fp8_block": 5, "nvfp4": 15}  # 4 x 128 x 2^6, 4 x 448 x 2^5, 16 x 6/64 x 2^15 < 65504
+VALUES_PER_WORD = {"int8": 4, "fp8": 4, "fp8_block": 4, "nvfp4": 8}
 # Which values of a weight word each activation pair array holds, (low lane, high lane).
-X_PAIR_VALUES = {"int8": ((0, 1), (2, 3)), "fp8": ((0, 1), (2, 3)), "nvfp4": ((0, 2), (4, 6), (1, 3), (5, 7))}
+X_PAIR_VALUES = {"int8": ((0, 1), (2, 3)), "fp8": ((0, 1), (2, 3)), "fp8_block": ((0, 1), (2, 3)),
+                 "nvfp4": ((0, 2), (4, 6), (1, 3), (5, 7))}
 
 # Operands of every call: $0 $1 the two words' accumulators out; $2 $3 the weight words; then the
-# activation pair words, two per array (one for each weight word), the group scale (nvfp4) and the
-# two accumulators in. int8 and fp8 words hold 4 values; activation arrays A, B hold pairs (0, 1)
-# and (2, 3) of each word. The sum of all products goes to the first accumulator.
+# activation pair words, two per array (one for each weight word), the two words' scales and the two
+# accumulators in. int8 and fp8 words hold 4 values; activation arrays A, B hold pairs (0, 1) and
+# (2, 3) of each word. The sum of all products, times the first word's scale, goes to the first
+# accumulator (both words share their scale).
 _PAIR_PRODUCTS = """mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p; fma.rn.f16x2 p, h2, $5, p; fma.rn.f16x2 p, h3, $7, p;
-mov.b32 {a, b}, p; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 fa, fa, fb; add.f32 $0, $8, fa; mov.b32 $1, $9;
+mov.b32 {a, b}, p; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 fa, fa, fb; fma.rn.f32 $0, fa, $8, $10; mov.b32 $1, $11;
 }"""
 _HALF_REGS = "{\n.reg .b32 t, u, m, p, q, h<8>, e<4>;\n.reg .b16 l<8>;\n.reg .f16 a, b;\n.reg .f32 fa, fb;\n"
 # int8: the byte, sign bit flipped, becomes the low byte of f16 1024 + (x + 128); subtracting 1152 leaves x.
@@ -297,30 +301,27 @@ fma.rn.f16x2 p, h4, $5, p; fma.rn.f16x2 p, h5, $7, p; fma.rn.f16x2 p, h6, $9, p;
 mov.b32 {a, b}, p; add.rn.f16 a, a, b; cvt.f32.f16 fa, a;
 fma.rn.f32 $0, fa, $12, $14; mov.b32 $1, $15;
 }"""
-_HALF_PTX = {"int8": _INT8_HALF_PTX, "fp8": _FP8_HALF_PTX, "nvfp4": _NVFP4_HALF_PTX}
-
-
-def half_word_sums(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array | None) -> jax.Array:
+_HALF_PTX = {"int8": _INT8_HALF_PTX, "fp8": _FP8_HALF_PTX, "fp8_block": _FP8_HALF_PTX, "nvfp4": _NVFP4_HALF_PTX}
+def half_word_sums(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array) -> jax.Array:
     """What the PTX adds for each weight word, in float32 arithmetic (the CPU's form): words int32
-    [..., W], x_pairs the f16-pair words (bitcast to int32) [..., W], scale [..., W] (NVFP4) or None
-    -> [..., W]."""
+    [..., W], x_pairs the f16-pair words (bitcast to int32) [..., W], scale [..., W] -> [..., W]."""
     x = [jax.lax.bitcast_convert_type(a, jnp.float16).astype(jnp.float32) for a in x_pairs]  # [..., W, 2] each
     if fmt != "nvfp4":
         values = jax.lax.bitcast_convert_type(words, jnp.int8 if fmt == "int8" else FP8).astype(jnp.float32)
-        return jnp.sum(values * jnp.concatenate(x, axis=-1), axis=-1)
+        return jnp.sum(values * jnp.concatenate(x, axis=-1), axis=-1) * scale
     codes = jax.lax.bitcast_convert_type(words, jnp.uint8)  # [..., W, 4]: byte j holds values 2j, 2j + 1
     low, high = decode_e2m1(codes & 15) / E2M1_IN_E4M3, decode_e2m1(codes >> 4) / E2M1_IN_E4M3
     a, b, c, d = x
     return jnp.sum(low * jnp.concatenate([a, b], -1) + high * jnp.concatenate([c, d], -1), axis=-1) * scale
 
 
-def _half_products(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array | None,
-                   acc: jax.Array, ptx: bool) -> jax.Array:
-    """acc [bn, bw] plus each weight word pair's products (the PTX on the GPU)."""
+def _half_products(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array, acc: jax.Array,
+                   ptx: bool) -> jax.Array:
+    """acc [bn, bw] plus each weight word pair's products times its scale [bn, bw] (the PTX on the GPU)."""
     if not ptx:
         return acc + half_word_sums(fmt, words, x_pairs, scale)
-    args = [words, *x_pairs, *([] if scale is None else [scale]), acc]
-    constraints = ",".join(["=f,=f"] + ["r,r"] * (1 + len(x_pairs)) + ["f,f"] * (len(args) - 1 - len(x_pairs)))
+    args = [words, *x_pairs, scale, acc]
+    constraints = ",".join(["=f,=f"] + ["r,r"] * (1 + len(x_pairs)) + ["f,f"] * 2)
     [out] = plt.elementwise_inline_asm(_HALF_PTX[fmt], args=args, constraints=constraints, pack=2,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, jnp.float32)])
     return out
@@ -331,20 +332,22 @@ def _f32_power_of_two(e: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
-def _half_row_kernel(x_ref, pairs_ref, post_ref, *, fmt: str, chunk: int):
+def _half_row_kernel(x_ref, pairs_ref, post_ref, *, fmt: str, chunk: int, ranges: int):
     """Program c: words [c chunk, (c + 1) chunk) of the row x [K] as f16 pair words (int32) in
-    pairs_ref [P, W], scaled by 2^shift so that the row's largest |x| lies in [2^(T-1), 2^T), and
-    2^-shift in post_ref [1]. Every program finds the row's largest |x| itself (one masked load of
-    the whole row): no second launch, no serial loop. Its own chunk is loaded first, so that load is
-    in flight while the row's maximum is reduced (H200: 0.05-0.2 us of 1.2-1.8)."""
-    K = x_ref.shape[0]
-    stride = VALUES_PER_WORD[fmt]
+    pairs_ref [P, W], scaled by 2^shift so that the largest |x| of the K range holding them (one of
+    `ranges`, one per split GEMV program) lies in [2^(T-1), 2^T), and 2^-shift in post_ref[range].
+    Every program finds its range's largest |x| itself (one masked load of the range): no second
+    launch, no serial loop. Its own chunk is loaded first, so that load is in flight while the
+    maximum is reduced (H200: 0.05-0.2 us of 1.2-1.8)."""
+    K, stride = x_ref.shape[0], VALUES_PER_WORD[fmt]
     c = pl.program_id(0)
     values = [x_ref[pl.ds(c * chunk * stride + offset, chunk, stride=stride)].astype(jnp.float32)
               for offset in range(stride)]  # value `offset` of each of this program's words
-    size = next_pow2(K)
-    row = plt.load(x_ref.at[pl.ds(0, size)], mask=jnp.arange(size) < K, other=0.0)
-    top = jnp.max(jnp.abs(row.astype(jnp.float32)))
+    length = K // ranges
+    r = c * chunk * stride // length
+    size = next_pow2(length)
+    span = plt.load(x_ref.at[pl.ds(r * length, size)], mask=jnp.arange(size) < length, other=0.0)
+    top = jnp.max(jnp.abs(span.astype(jnp.float32)))
     biased = (jax.lax.bitcast_convert_type(top, jnp.int32) >> 23) & 0xFF  # top = m 2^(biased - 126), m in [0.5, 1)
     shift = jnp.clip(X_TOP_EXPONENT[fmt] - (biased - 126), -126, 126)
     scale = _f32_power_of_two(shift)
@@ -355,24 +358,41 @@ def _half_row_kernel(x_ref, pairs_ref, post_ref, *, fmt: str, chunk: int):
     for j, (lo, hi) in enumerate(X_PAIR_VALUES[fmt]):
         pairs_ref[j, pl.ds(c * chunk, chunk)] = f16_bits(lo) | (f16_bits(hi) << 16)
 
-    @pl.when(c == 0)
+    @pl.when(c * chunk * stride % length == 0)  # the range's first program
     def _():
-        post_ref[0] = _f32_power_of_two(-shift)
+        post_ref[r] = _f32_power_of_two(-shift)
 
 
-def half_row(x: jax.Array, fmt: str, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """One row x [1, K] -> (activation pair words [P, W] int32, scaled by a power of two, in f16,
-    paired as the PTX meets them; 2^-shift [1] float32, which scales the sums back)."""
+def half_row(x: jax.Array, fmt: str, ranges: int = 1, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """One row x [1, K] -> (activation pair words [P, W] int32, each of `ranges` equal K ranges scaled
+    by its own power of two, in f16, paired as the PTX meets them; 2^-shift [ranges] float32, which
+    scales each range's sums back)."""
     W = x.shape[1] // VALUES_PER_WORD[fmt]
-    chunk = min(128, W & -W)  # a power of two (Triton's blocks) dividing W
+    chunk = min(128, (W // ranges) & -(W // ranges))  # a power of two (Triton's blocks) dividing a range
     whole = lambda shape: pl.BlockSpec(shape, lambda c: (0,) * len(shape))
-    shapes = (len(X_PAIR_VALUES[fmt]), W), (1,)
+    shapes = (len(X_PAIR_VALUES[fmt]), W), (ranges,)
     return pl.pallas_call(
-        functools.partial(_half_row_kernel, fmt=fmt, chunk=chunk), grid=(W // chunk,),
+        functools.partial(_half_row_kernel, fmt=fmt, chunk=chunk, ranges=ranges), grid=(W // chunk,),
         out_shape=tuple(jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, (jnp.int32, jnp.float32))),
         in_specs=[whole((x.shape[1],))], out_specs=tuple(whole(s) for s in shapes),
         compiler_params=plt.CompilerParams(num_warps=8), interpret=interpret, name=f"quant_gemv_row_{fmt}",
     )(x.reshape(-1))
+
+
+def _word_scales(s_ref, n0, step, *, fmt: str, bn: int, bw: int) -> jax.Array:
+    """What each weight word's products [bn, bw] are multiplied by at K step `step`: its group's scale
+    (NVFP4: one for each of a group's two words, by a contiguous load, no gather), its 128 x 128
+    block's (fp8 blocks), or 1 (per-channel scales multiply the sums once, after the K loop)."""
+    if fmt == "nvfp4":
+        groups = s_ref[pl.ds(n0, bn), pl.ds(step * (bw // 2), bw // 2)].astype(jnp.float32)
+        return jnp.broadcast_to(groups[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
+    if fmt != "fp8_block":
+        return jnp.ones((bn, bw), jnp.float32)
+    words = BLOCK // VALUES_PER_WORD[fmt]  # a scale block's columns, in words
+    if bw <= words:  # the step sits inside one scale block
+        return jnp.broadcast_to(s_ref[n0 // BLOCK, step * bw // words], (bn, bw))
+    blocks = s_ref[n0 // BLOCK, pl.ds(step * (bw // words), bw // words)]
+    return jnp.broadcast_to(blocks[None, :, None], (bn, bw // words, words)).reshape(bn, bw)
 
 
 def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bw: int, k_steps: int,
@@ -387,11 +407,7 @@ def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, 
     def load(i):
         cols = pl.ds(i * bw, bw)
         x_pairs = [jnp.broadcast_to(x_ref[pl.ds(j, 1), cols], (bn, bw)) for j in range(x_ref.shape[0])]
-        scale = None
-        if fmt == "nvfp4":  # each group's scale, once for each of its two words (a contiguous load, no gather)
-            groups = s_ref[pl.ds(n0, bn), pl.ds(i * (bw // 2), bw // 2)].astype(jnp.float32)
-            scale = jnp.broadcast_to(groups[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
-        return w_ref[pl.ds(n0, bn), cols], x_pairs, scale
+        return w_ref[pl.ds(n0, bn), cols], x_pairs, _word_scales(s_ref, n0, i, fmt=fmt, bn=bn, bw=bw)
 
     def body(i, carry):
         acc, (words, x_pairs, scale) = carry
@@ -399,10 +415,10 @@ def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, 
         return _half_products(fmt, words, x_pairs, scale, acc, ptx), ahead
 
     acc, _ = jax.lax.fori_loop(0, k_steps, body, (jnp.zeros((bn, bw), jnp.float32), load(first_step)))
-    out = jnp.sum(acc, axis=1) * post_ref[0]
+    out = jnp.sum(acc, axis=1) * post_ref[pl.program_id(1)]
     if fmt == "nvfp4":
         out = out * (g_ref[0] * E2M1_IN_E4M3)  # the global scale, and the transcode's 2^-6 undone
-    else:
+    elif fmt != "fp8_block":
         out = out * s_ref[pl.ds(n0, bn)]
     o_ref[...] = out[None, :].astype(o_ref.dtype)
 
@@ -418,7 +434,7 @@ def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool)
     """The packed-half kernels on one row x [1, K] -> [1, N] in x's dtype."""
     N, K = w.shape
     per_word = VALUES_PER_WORD[w.format]
-    x_pairs, post = half_row(x, w.format, interpret)
+    x_pairs, post = half_row(x, w.format, t.split_k, interpret)
     words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // per_word, 4), jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
     args = (x_pairs, post, words, *_scale_operands(w))
@@ -509,32 +525,33 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
 
 # Tilings measured on the H200 (BENCHMARKS.md). One activation row of a 27B MLP matrix [17408,
 # 5120] (decode at batch 1): per format the fastest, K unsplit so no partial sums to add (short, wide
-# weights differ: FEW_PROGRAMS below); the packed halves take 64 weight words a step, int8 and fp8 4
-# stages deep (25.7-26.1 against 25.9-26.3 us).
+# weights differ: FEW_PROGRAMS below); the packed halves of int8 and fp8 take 64 weight words a step, 4
+# stages deep (25.7-26.1 against 25.9-26.3 us; 128 words: 33.4-35.9 us with 4 warps, 25.1-27.4 with 8).
 # int8 and fp8 take the packed halves only from HALF_MIN_BYTES of weight: below that their row
-# kernel's launch (1.1-1.5 us) outweighs the 8% they save (a 0.8B projection of 3.7 MB: 3.1 against
+# kernel's launch (1.0-1.5 us) outweighs what they save (a 0.8B projection of 3.7 MB: 3.1 against
 # 2.8 us; 89 MB: 26 against 27.7 us). NVFP4 takes them at every size (3.5 against 5.5 us).
 # 2 to 64 rows: one tiling per format, a compromise (at 8 rows int8's best was (32, 256, 2) at 32.5
 # against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at 69 against 75).
 ONE_ROW_TILINGS = {
     "int8": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
     "fp8": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
-    "fp8_block": Tiling(16, 512, 1, 4, 3, gemv=True),
+    "fp8_block": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
     "nvfp4": Tiling(16, 512, 1, 4, 3, gemv=True, packed_halves=True),
 }
-MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 one row under HALF_MIN_BYTES
+MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 (blocks) one row under HALF_MIN_BYTES
 HALF_MIN_BYTES = 32 << 20
-# Short, wide weights: too few 16-row programs leave the H200's 132 SMs too few warps to hide memory
-# latency (the 27B MLP's down projection [5120, 17408] makes 320). Under FEW_PROGRAMS programs:
+# Short, wide weights: too few 16-row programs leave the H200's 132 SMs unevenly loaded and short of
+# warps to hide memory latency (the 27B MLP's down projection [5120, 17408] makes 320). Under
+# FEW_PROGRAMS programs:
 #   - packed halves run 8 warps each;
-#   - under half that many, with a big weight (HALF_MIN_BYTES), any one-row GEMV splits K: 4 ways with
-#     4 warps where 4 steps divide K, else 2 ways (packed halves with 8 warps).
-# H200, [5120, 17408], GPU time with the row kernel and the partial sums' addition (1.0-1.1 us), runs 7-9:
-# int8 27.9-28.1 us split 4 (split 2 with 8 warps 28.9-29.2; before 42.5-43.3), fp8 27.4-27.5 (28.4-28.9;
-# 43.8-44.5), NVFP4 19.7-20.1 split 2 (8 warps unsplit 25.3-25.5; before 38.9-39.8), fp8 blocks 28.3 split 2
-# (40.4). At 0.8B projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a split costs its
-# addition; at 512 programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps unsplit are (NVFP4
-# 18.0 against 19.6, int8 26.3 against 32.5).
+#   - under half that many, with a big weight (HALF_MIN_BYTES), any one-row GEMV splits K 2 ways, with
+#     512-wide steps where they divide K, else its own.
+# H200, [5120, 17408], GPU time with the row kernel (which scales each split range apart: 1.5-2.0 us)
+# and the partial sums' addition (1.0-1.1 us), session 8 runs 3-4: int8 26.3-26.7 us (split 4 with
+# 256-wide steps 26.8-27.0), fp8 26.3 (26.7-26.9), fp8 blocks 27.5-27.8 (29.1-29.3), NVFP4 19.7-19.8
+# (split 4, 256-wide: 19.2). At 0.8B projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a
+# split costs its addition; at 512 programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps
+# unsplit are (NVFP4 18.0 against 19.6, int8 26.3 against 32.5).
 FEW_PROGRAMS = 1024
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),
@@ -551,14 +568,15 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
     if x.shape[0] > 64:
         return None
     one_row = ONE_ROW_TILINGS[w.format]
-    if w.format in ("int8", "fp8") and w.data.size < HALF_MIN_BYTES:
+    if w.format != "nvfp4" and w.data.size < HALF_MIN_BYTES:
         one_row = MULTIPLY_AND_SUM_TILING
     programs = w.shape[0] // one_row.block_n
     one_rows = (one_row,)
     if programs < FEW_PROGRAMS:
         wide = dataclasses.replace(one_row, num_warps=8) if one_row.packed_halves else one_row
         split = 2 * programs < FEW_PROGRAMS and w.data.size >= HALF_MIN_BYTES
-        one_rows = (dataclasses.replace(one_row, split_k=4), dataclasses.replace(wide, split_k=2), wide) if split else (wide,)
+        halves = dataclasses.replace(wide, split_k=2)
+        one_rows = (dataclasses.replace(halves, block_k=512), halves, wide) if split else (wide,)
     fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)
     tried = (*one_rows, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
     return next((t for t in (*tried, Tiling()) if t.fits(w)), None)

@@ -70,10 +70,10 @@ CASES = [(1, False, False), (1, True, False), (3, True, False), (16, False, Fals
 
 
 @pytest.mark.parametrize("fmt, M, gemv, packed", [
-    (fmt, *case) for fmt in FORMATS for case in CASES + [(1, True, True)] * (fmt != "fp8_block")])
+    (fmt, *case) for fmt in FORMATS for case in CASES + [(1, True, True)]])
 def test_kernel_matches_dequantize_then_dot(fmt, M, gemv, packed):
-    """gemv: one row by multiply-and-sum, or by packed f16 pairs (int8, fp8, nvfp4; interpret mode
-    runs their float32 form); more rows (or gemv off) by the dot on rows padded to 16."""
+    """gemv: one row by multiply-and-sum, or by packed f16 pairs (interpret mode runs their float32
+    form); more rows (or gemv off) by the dot on rows padded to 16."""
     rng = np.random.default_rng(M)
     w = quantize(rng.normal(size=(N, K)).astype(np.float32), fmt)
     x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
@@ -84,7 +84,7 @@ def test_kernel_matches_dequantize_then_dot(fmt, M, gemv, packed):
 
 
 @pytest.mark.parametrize("fmt, tiling", [(fmt, Tiling(block_n=32, block_k=64, split_k=2)) for fmt in FORMATS] + [
-    (fmt, Tiling(16, 64, split_k=2, gemv=True, packed_halves=True)) for fmt in ("int8", "fp8", "nvfp4")])
+    (fmt, Tiling(16, 64, split_k=2, gemv=True, packed_halves=True)) for fmt in FORMATS])
 def test_split_k_partial_sums_add_up(fmt, tiling):
     """K cut over 2 programs per column block (the small-M tiling; a one-row GEMV of few programs)
     gives the same product, each range its two steps."""
@@ -124,22 +124,25 @@ def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
 
 def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_split_k():
     """A short, wide weight makes few 16-row programs: they get 8 warps, and K is split where the
-    programs stay few and the weight is big (4 ways with 4 warps if that divides K, else 2 with 8); a
-    tall weight keeps 4 warps, unsplit."""
+    programs stay few and the weight is big (2 ways, with 512-wide steps where they divide K, else the
+    format's own); a tall weight keeps 4 warps, unsplit."""
     def one_row(n, k=5120, fmt="nvfp4"):
         return pick_tiling(jnp.zeros((1, k), jnp.bfloat16), jax.eval_shape(lambda: quantize(jnp.ones((n, k)), fmt)))
-    nvfp4, int8 = ONE_ROW_TILINGS["nvfp4"], ONE_ROW_TILINGS["int8"]
+    nvfp4 = ONE_ROW_TILINGS["nvfp4"]
     assert one_row(16 * (FEW_PROGRAMS - 1)) == dataclasses.replace(nvfp4, num_warps=8)
     assert one_row(16 * FEW_PROGRAMS) == nvfp4 and nvfp4.num_warps == 4
-    assert one_row(5120, 17408) == dataclasses.replace(nvfp4, num_warps=8, split_k=2)  # 27B down: 4 x 512 does not divide K
-    assert one_row(5120, 17408, "int8") == dataclasses.replace(int8, split_k=4)  # 4 x 256 does
-    assert one_row(5120, 17408 + 512).split_k == 1  # 2 x 512 does not divide K either: unsplit, 8 warps
+    assert one_row(5120, 17408) == dataclasses.replace(nvfp4, num_warps=8, split_k=2)  # 27B down
+    for fmt in ("int8", "fp8", "fp8_block"):  # 256-wide steps unsplit, 512-wide split
+        assert one_row(5120, 17408, fmt) == dataclasses.replace(ONE_ROW_TILINGS[fmt], block_k=512, num_warps=8, split_k=2)
+    int8 = dataclasses.replace(ONE_ROW_TILINGS["int8"], num_warps=8)
+    assert one_row(5120, 17408 + 512, "int8") == dataclasses.replace(int8, split_k=2)  # 2 x 512 does not divide K, 2 x 256 does
+    assert one_row(5120, 17408 + 256, "int8") == int8  # neither does: unsplit
     assert one_row(1024, 3584).split_k == 1  # 0.8B: 1.8 MB, the partial sums' addition would cost more
-    blocks = ONE_ROW_TILINGS["fp8_block"]  # multiply-and-sum: split too, warps as they are
-    assert one_row(5120, 17408, "fp8_block") == dataclasses.replace(blocks, split_k=2) and not blocks.packed_halves
 
 
 @pytest.mark.parametrize("M, tiling", [(1, Tiling(16, 512, 1, gemv=True)), (1, Tiling(16, 64, 2, gemv=True)),
+                                       (1, Tiling(16, 512, 1, gemv=True, packed_halves=True)),
+                                       (1, Tiling(16, 64, 2, gemv=True, packed_halves=True)),
                                        (3, Tiling(16, 512, 2)), (3, Tiling(16, 64, 1))])
 def test_fp8_block_tiles_scale_each_128_column_block_they_span(M, tiling):
     """Columns scaled 0.01x to 100x per 128-column block: a tile that applied one block's scale to
@@ -160,7 +163,7 @@ def test_fp8_block_tile_rows_stay_inside_one_scale_block():
     assert Tiling(128, 256).fits(w)  # rows: one scale block; columns: two whole ones
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("x_scale", [1e-6, 1.0, 3e4])
 def test_one_row_packed_half_gemv_takes_activations_of_any_size(fmt, x_scale):
     """One row of any size keeps bf16 accuracy: the packed-half GEMV scales the row by a power of two
@@ -175,23 +178,39 @@ def test_one_row_packed_half_gemv_takes_activations_of_any_size(fmt, x_scale):
     assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 2
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4"])
-def test_packed_half_row_lands_inside_f16_and_is_paired_as_the_ptx_meets_it(fmt):
-    """The row kernel puts the row's largest |x| in [2^(T-1), 2^T) for the format's T, pairs the
-    values as X_PAIR_VALUES says, and its factor undoes the scaling exactly."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_half_row_lands_inside_f16_range_by_range_and_is_paired_as_the_ptx_meets_it(fmt):
+    """The row kernel puts each K range's largest |x| in [2^(T-1), 2^T) for the format's T, pairs the
+    values as X_PAIR_VALUES says, and each range's factor undoes its scaling exactly. The ranges
+    differ by 10^9 in size, so one scale for the whole row would lose the small ones to f16."""
     from pallas_kernels.quant_matmul import VALUES_PER_WORD, X_PAIR_VALUES, X_TOP_EXPONENT, half_row
 
-    for x_max in (7e4, 3e-5, 1.0, 0.0):
-        x = np.linspace(-x_max, x_max / 3, 256)[None] * np.random.default_rng(0).permutation(256)[None] / 256
-        x = jnp.asarray(x, jnp.bfloat16)
-        pairs, post = half_row(x, fmt, interpret=True)
-        x16 = np.asarray(pairs).view(np.float16).astype(np.float32).reshape(len(pairs), -1, 2)  # [array, word, lane]
-        if x_max:
-            top = X_TOP_EXPONENT[fmt]
-            assert 2.0 ** (top - 1) <= np.abs(x16).max() < 2.0**top
-        words = np.asarray(x, np.float32).reshape(-1, VALUES_PER_WORD[fmt])
-        for j, lanes in enumerate(X_PAIR_VALUES[fmt]):
-            np.testing.assert_array_equal(x16[j] * float(post[0]), words[:, lanes])
+    range_max, size, per_word = np.array([7e4, 3e-5, 1.0, 0.0]), 256, VALUES_PER_WORD[fmt]
+    x = np.concatenate([np.linspace(-m, m / 3, size) * np.random.default_rng(0).permutation(size) / size for m in range_max])
+    x = jnp.asarray(x[None], jnp.bfloat16)
+    pairs, post = half_row(x, fmt, len(range_max), interpret=True)
+    assert post.shape == (len(range_max),)
+    x16 = np.asarray(pairs).view(np.float16).astype(np.float32).reshape(len(pairs), len(range_max), size // per_word, 2)
+    words = np.asarray(x, np.float32).reshape(len(range_max), size // per_word, per_word)
+    top = X_TOP_EXPONENT[fmt]
+    for r, m in enumerate(range_max):
+        if m:
+            assert 2.0 ** (top - 1) <= np.abs(x16[:, r]).max() < 2.0**top
+        for j, lanes in enumerate(X_PAIR_VALUES[fmt]):  # [array, range, word, lane]
+            np.testing.assert_array_equal(x16[j, r] * float(post[r]), words[r][:, lanes])
+
+
+def test_one_row_gemv_scales_each_split_range_by_its_own_power_of_two():
+    """Split K ranges whose activations differ by 10^9 in size, the weight's columns zero where they
+    are large: only the small range counts. Its own scale keeps its products in f16's normal range;
+    one scale for the whole row would round them to f16's zero. K = 1536: ranges of 768, not a power
+    of two, so each range's maximum is a masked load past its end."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(1, 1536)) * np.repeat([3e4, 3e-5], 768), jnp.bfloat16)
+    for fmt in FORMATS:
+        w = quantize(rng.normal(size=(N, 1536)).astype(np.float32) * np.repeat([0.0, 1.0], 768), fmt)
+        got = quant_matmul_pallas(x, w, tiling=Tiling(16, 128, 2, gemv=True, packed_halves=True), interpret=True)
+        assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 4, fmt
 
 
 def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
@@ -270,7 +289,7 @@ def run_ptx(asm: str, inputs: dict[int, int]) -> dict[str, int]:
     return regs
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_packed_half_ptx_adds_what_the_cpu_form_adds(fmt):
     """Each call of the one-row PTX, on random weight words, activation pairs, scale and
     accumulators, adds to the first accumulator what `half_word_sums` gives for its two words (to
@@ -280,20 +299,20 @@ def test_packed_half_ptx_adds_what_the_cpu_form_adds(fmt):
 
     rng = np.random.default_rng(5)
     n_x = 4 if fmt == "nvfp4" else 2
-    max_weight = {"int8": 128, "fp8": 448, "nvfp4": 6 / 64}[fmt]
+    max_weight = {"int8": 128, "fp8": 448, "fp8_block": 448, "nvfp4": 6 / 64}[fmt]
     for _ in range(100):
         words = rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32)
-        if fmt == "fp8":
+        if fmt.startswith("fp8"):
             words &= 0xFEFEFEFE  # an even mantissa: no NaN bytes (0x7F, 0xFF)
         x = rng.normal(size=(n_x, 2, 2)).astype(np.float16)  # [array, word, lane]
         x_words = x.view(np.uint32)[..., 0]  # [array, word]
         scale, acc = np.float32(rng.uniform(0.5, 2)), rng.normal(size=2).astype(np.float32)
-        operands = [*words, *x_words.reshape(-1)] + ([scale.view(np.uint32)] * 2 if fmt == "nvfp4" else [])
+        operands = [*words, *x_words.reshape(-1), scale.view(np.uint32), scale.view(np.uint32)]
         regs = run_ptx(_HALF_PTX[fmt], {2 + i: int(v) for i, v in enumerate([*operands, *acc.view(np.uint32)])})
         got = np.array([regs["$0"], regs["$1"]], np.uint32).view(np.float32)
         sums = half_word_sums(fmt, jnp.asarray(words.view(np.int32)), [jnp.asarray(w.view(np.int32)) for w in x_words],
-                              jnp.full(2, scale) if fmt == "nvfp4" else None)
-        bound = 2**-9 * max_weight * float(np.abs(x.astype(np.float32)).sum()) * (scale if fmt == "nvfp4" else 1)
+                              jnp.full(2, scale))
+        bound = 2**-9 * max_weight * float(np.abs(x.astype(np.float32)).sum()) * scale
         assert got[1] == acc[1]
         assert abs(got[0] - (acc[0] + float(jnp.sum(sums)))) <= bound
 
