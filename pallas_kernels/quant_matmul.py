@@ -395,18 +395,17 @@ def _word_scales(s_ref, n0, step, *, fmt: str, bn: int, bw: int) -> jax.Array:
     return jnp.broadcast_to(blocks[None, :, None], (bn, bw // words, words)).reshape(bn, bw)
 
 
-def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, bw: int, k_steps: int,
-                      ptx: bool):
-    """Program (i, j): output columns [i bn, (i + 1) bn) of the one row over the j-th of the split K
-    ranges. One float32 accumulator a weight word [bn, bw] (the PTX fills every other one), summed
-    after the K loop. Each step's tiles are loaded a step ahead and carried through the loop, so
-    their latency hides behind the products."""
-    n0 = pl.program_id(0) * bn
-    first_step = pl.program_id(1) * k_steps
+def _half_gemv_block(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, n0, j, *, fmt: str, bn: int, bw: int, k_steps: int,
+                     ptx: bool):
+    """Output columns [n0, n0 + bn) of the one row over the j-th split K range. One float32
+    accumulator a weight word [bn, bw] (the PTX fills every other one), summed after the K loop.
+    Each step's tiles are loaded a step ahead and carried through the loop, so their latency hides
+    behind the products."""
+    first_step = j * k_steps
 
     def load(i):
         cols = pl.ds(i * bw, bw)
-        x_pairs = [jnp.broadcast_to(x_ref[pl.ds(j, 1), cols], (bn, bw)) for j in range(x_ref.shape[0])]
+        x_pairs = [jnp.broadcast_to(x_ref[pl.ds(a, 1), cols], (bn, bw)) for a in range(x_ref.shape[0])]
         return w_ref[pl.ds(n0, bn), cols], x_pairs, _word_scales(s_ref, n0, i, fmt=fmt, bn=bn, bw=bw)
 
     def body(i, carry):
@@ -415,12 +414,22 @@ def _half_gemv_kernel(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, 
         return _half_products(fmt, words, x_pairs, scale, acc, ptx), ahead
 
     acc, _ = jax.lax.fori_loop(0, k_steps, body, (jnp.zeros((bn, bw), jnp.float32), load(first_step)))
-    out = jnp.sum(acc, axis=1) * post_ref[pl.program_id(1)]
+    out = jnp.sum(acc, axis=1) * post_ref[j]
     if fmt == "nvfp4":
         out = out * (g_ref[0] * E2M1_IN_E4M3)  # the global scale, and the transcode's 2^-6 undone
     elif fmt != "fp8_block":
         out = out * s_ref[pl.ds(n0, bn)]
-    o_ref[...] = out[None, :].astype(o_ref.dtype)
+    o_ref[pl.ds(j, 1), pl.ds(n0, bn)] = out[None, :].astype(o_ref.dtype)
+
+
+def _half_gemv_kernel(*refs, bn: int, big: int, small_bn: int, **block):
+    """Program (i, j): the j-th split K range of a block of output columns, bn of them for the first
+    `big` programs, small_bn for the rest (the rows left after whole rounds of big ones)."""
+    i, j = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has no program_id inside a branch
+    if not small_bn:
+        return _half_gemv_block(*refs, i * bn, j, bn=bn, **block)
+    pl.when(i < big)(lambda: _half_gemv_block(*refs, i * bn, j, bn=bn, **block))
+    pl.when(i >= big)(lambda: _half_gemv_block(*refs, big * bn + (i - big) * small_bn, j, bn=small_bn, **block))
 
 
 def _scale_operands(w: "QuantizedWeight") -> tuple[jax.Array, jax.Array]:
@@ -438,16 +447,17 @@ def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool)
     words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // per_word, 4), jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
     args = (x_pairs, post, words, *_scale_operands(w))
-    kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, bw=t.block_k // per_word,
-                               k_steps=K // (t.block_k * t.split_k), ptx=not interpret)
+    big, small, small_bn = t.row_blocks(N)
+    kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, big=big, small_bn=small_bn,
+                               bw=t.block_k // per_word, k_steps=K // (t.block_k * t.split_k), ptx=not interpret)
     out = pl.pallas_call(  # one K range writes x's dtype; split K writes float32 partial sums
-        kernel, out_shape=jax.ShapeDtypeStruct((t.split_k, 1, N), x.dtype if t.split_k == 1 else jnp.float32),
-        grid=(N // t.block_n, t.split_k), in_specs=[whole(a) for a in args],
-        out_specs=pl.BlockSpec((None, 1, t.block_n), lambda i, j: (j, 0, i)),
+        kernel, out_shape=jax.ShapeDtypeStruct((t.split_k, N), x.dtype if t.split_k == 1 else jnp.float32),
+        grid=(big + small, t.split_k), in_specs=[whole(a) for a in args],
+        out_specs=pl.BlockSpec((t.split_k, N), lambda i, j: (0, 0)),
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret, name=f"quant_gemv_{w.format}",
     )(*args)
-    return out[0] if t.split_k == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+    return out if t.split_k == 1 else jnp.sum(out, axis=0, keepdims=True).astype(x.dtype)
 
 
 def next_pow2(n: int) -> int:
@@ -460,7 +470,10 @@ class Tiling:
     step, K split over split_k programs (partial sums added after), Triton's warps and stages;
     with gemv, a single activation row is contracted without a tensor-core dot on rows padded to
     16: by float32 multiply-and-sum, or with packed_halves by f16 pairs (HALF_FORMATS only, block_k
-    at least two weight words)."""
+    at least two weight words). A packed-half GEMV with `rounds` (the GPU's SM count) runs its
+    block_n-row programs in whole rounds of one per SM and gives the rows left over to up to one
+    smaller program per SM: all programs run at once, so an SM with one program more than the
+    others sets the time."""
 
     block_n: int = 64
     block_k: int = 128
@@ -469,6 +482,17 @@ class Tiling:
     num_stages: int = 3
     gemv: bool = False
     packed_halves: bool = False
+    rounds: int = 0
+
+    def row_blocks(self, N: int) -> tuple[int, int, int]:
+        """(programs of block_n rows, programs of the rows left after whole rounds of those, their
+        rows: a power of two, 0 where nothing is left over) for N output columns, one K range."""
+        blocks = N // self.block_n
+        left = blocks % self.rounds if self.rounds and self.split_k == 1 and blocks > self.rounds else 0
+        if not left:
+            return blocks, 0, 0
+        small = next_pow2(-(-left * self.block_n // self.rounds))  # a power of two: divides the rows left
+        return (blocks, 0, 0) if small >= self.block_n else (blocks - left, left * self.block_n // small, small)
 
     def fits(self, w: "QuantizedWeight") -> bool:
         """Power-of-two tiles (Triton's blocks) that divide the weight; for fp8 blocks a tile's rows
@@ -530,6 +554,10 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
 # int8 and fp8 take the packed halves only from HALF_MIN_BYTES of weight: below that their row
 # kernel's launch (1.0-1.5 us) outweighs what they save (a 0.8B projection of 3.7 MB: 3.1 against
 # 2.8 us; 89 MB: 26 against 27.7 us). NVFP4 takes them at every size (3.5 against 5.5 us).
+# On the GPU the dispatcher sets `rounds` to the SM count: 1088 programs on 132 SMs left 32 SMs a ninth,
+# which set the time; 1056 programs in 8 whole rounds plus 128 of 4 rows are 0.5-1.4 us faster (session 8
+# run 7: int8 25.5 against 26.1-26.4 us, fp8 25.4-25.6 against 26.1-26.2, fp8 blocks 25.7 against
+# 26.9-27.2, NVFP4 16.3-16.4 against 17.1-17.2).
 # 2 to 64 rows: one tiling per format, a compromise (at 8 rows int8's best was (32, 256, 2) at 32.5
 # against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at 69 against 75).
 ONE_ROW_TILINGS = {
@@ -562,9 +590,10 @@ MANY_ROWS_TILINGS = {
 GEMV_FALLBACK = Tiling(16, 128, 1, 4, 3, gemv=True)  # one row where those do not divide K (packed as they are)
 
 
-def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
+def pick_tiling(x: jax.Array, w: QuantizedWeight, rounds: int = 0) -> Tiling | None:
     """The measured tiling for x's row count (and w's format) if it divides the shape, else a
-    default that does, else None (more than 64 rows, or a shape no tiling divides)."""
+    default that does, else None (more than 64 rows, or a shape no tiling divides). A packed-half
+    GEMV gets `rounds`, the GPU's SM count (see Tiling)."""
     if x.shape[0] > 64:
         return None
     one_row = ONE_ROW_TILINGS[w.format]
@@ -579,14 +608,16 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight) -> Tiling | None:
         one_rows = (dataclasses.replace(halves, block_k=512), halves, wide) if split else (wide,)
     fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)
     tried = (*one_rows, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
-    return next((t for t in (*tried, Tiling()) if t.fits(w)), None)
+    tiling = next((t for t in (*tried, Tiling()) if t.fits(w)), None)
+    return dataclasses.replace(tiling, rounds=rounds) if tiling and tiling.packed_halves else tiling
 
 
 def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """Dispatcher: x [..., K] -> [..., N]. The Pallas kernel on a GPU for up to 64 rows, the
     dequantize-then-dot reference otherwise."""
     flat = x.reshape(-1, x.shape[-1])
-    tiling = pick_tiling(flat, w)
-    if jax.default_backend() == "gpu" and tiling is not None:
+    gpu = jax.default_backend() == "gpu"
+    tiling = pick_tiling(flat, w, rounds=getattr(jax.devices()[0], "core_count", 0) if gpu else 0)
+    if gpu and tiling is not None:
         return quant_matmul_pallas(flat, w, tiling=tiling).reshape(*x.shape[:-1], w.shape[0])
     return quant_matmul_reference(x, w)

@@ -140,6 +140,33 @@ def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_spl
     assert one_row(1024, 3584).split_k == 1  # 0.8B: 1.8 MB, the partial sums' addition would cost more
 
 
+def test_rounds_give_the_rows_left_after_whole_rounds_to_smaller_programs():
+    """27B up projection on 132 SMs: 1088 16-row programs would leave 32 SMs a ninth; instead 1056
+    run in 8 whole rounds and 128 programs of 4 rows take the 512 rows left. Nothing left, a split
+    K, or fewer blocks than SMs: one size."""
+    t = dataclasses.replace(ONE_ROW_TILINGS["int8"], rounds=132)
+    assert t.row_blocks(17408) == (1056, 128, 4)
+    assert t.row_blocks(16896) == (1056, 0, 0)
+    assert dataclasses.replace(t, split_k=2).row_blocks(17408) == (1088, 0, 0)
+    assert t.row_blocks(1024) == (64, 0, 0)
+    assert ONE_ROW_TILINGS["int8"].row_blocks(17408) == (1088, 0, 0)
+    up = jax.eval_shape(lambda: quantize(jnp.ones((17408, 5120)), "nvfp4"))
+    assert pick_tiling(jnp.zeros((1, 5120), jnp.bfloat16), up, rounds=132).rounds == 132
+    assert pick_tiling(jnp.zeros((2, 5120), jnp.bfloat16), up, rounds=132).rounds == 0  # the dot path
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_half_gemv_with_smaller_programs_for_the_rows_left_matches(fmt):
+    """N = 144: nine 16-row blocks over 4 "SMs" leave one block, taken by four 4-row programs."""
+    rng = np.random.default_rng(8)
+    w = quantize(rng.normal(size=(144, 512)).astype(np.float32), fmt)
+    x = jnp.asarray(rng.normal(size=(1, 512)), jnp.bfloat16)
+    tiling = Tiling(16, 128, gemv=True, packed_halves=True, rounds=4)
+    assert tiling.row_blocks(144) == (8, 4, 4)
+    got = quant_matmul_pallas(x, w, tiling=tiling, interpret=True)
+    assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 4
+
+
 @pytest.mark.parametrize("M, tiling", [(1, Tiling(16, 512, 1, gemv=True)), (1, Tiling(16, 64, 2, gemv=True)),
                                        (1, Tiling(16, 512, 1, gemv=True, packed_halves=True)),
                                        (1, Tiling(16, 64, 2, gemv=True, packed_halves=True)),
