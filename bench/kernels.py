@@ -25,7 +25,7 @@ import numpy as np
 
 from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
-from pallas_kernels.quant_matmul import FORMATS, Tiling, quant_matmul_pallas, quant_matmul_reference, quantize
+from pallas_kernels.quant_matmul import FORMATS, Tiling, quant_matmul, quant_matmul_pallas, quant_matmul_reference, quantize
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 
@@ -124,7 +124,8 @@ def device_us(fn, *args, calls: int = 10) -> tuple[float, dict]:
 def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
     """Every format on a weight shape [N, K] at each row count in rows_tried. Each op is timed
     two ways: its GPU time per call from a profiler trace (kernels only: what a GEMV streams at)
-    and the mean of a jitted loop (which adds the loop's own overhead, 5-11 µs on the H200)."""
+    and the mean of a jitted loop (which adds the loop's own overhead, 5-11 µs on the H200). The
+    dispatcher `quant_matmul` is timed too (its tiling, with the SM rounds of a one-row GEMV)."""
     N, K = shape
     w = jnp.asarray(rng.normal(size=(N, K)) * K ** -0.5, jnp.float32)
     w_bf16 = w.astype(jnp.bfloat16)
@@ -164,10 +165,13 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
                 rows.append({"op": f"quant_matmul_{fmt}", "M": M, "tried": tried})
             else:
                 loop_us = matmul_time_us(functools.partial(quant_matmul_pallas, w=qw, tiling=Tiling(*best["tiling"])), x)
+                dispatch_us, dispatch_kernels = device_us(quant_matmul, x, qw)  # its own tiling, SM rounds included
                 of = lambda us: wbytes / us / 1e3 / ceiling
                 best.update(loop_us=loop_us, weight_bytes=wbytes, of_ceiling=of(best["device_us"]),
                             kernel_of_ceiling=of(best["kernel_us"]), loop_of_ceiling=of(loop_us),
-                            vs_bf16=bf16_us / best["device_us"], vs_fp8xfp8=fp8_us / best["device_us"], tried=tried)
+                            vs_bf16=bf16_us / best["device_us"], vs_fp8xfp8=fp8_us / best["device_us"],
+                            dispatch_us=dispatch_us, dispatch_of_ceiling=of(dispatch_us), dispatch_kernels=dispatch_kernels,
+                            tried=tried)
                 rows.append(best)
             print(json.dumps(rows[-1]), flush=True)
     return rows
