@@ -447,7 +447,7 @@ def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool)
     words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // per_word, 4), jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
     args = (x_pairs, post, words, *_scale_operands(w))
-    big, small, small_bn = t.row_blocks(N)
+    big, small, small_bn = t.row_blocks(N, t.block_k // per_word)
     kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, big=big, small_bn=small_bn,
                                bw=t.block_k // per_word, k_steps=K // (t.block_k * t.split_k), ptx=not interpret)
     out = pl.pallas_call(  # one K range writes x's dtype; split K writes float32 partial sums
@@ -462,6 +462,13 @@ def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool)
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _pair_words(num_warps: int) -> int:
+    """The fewest weight words a packed-half tile may hold: a word pair for every thread (the PTX
+    takes two words a call; with fewer, Triton pairs what it has and the sums come out wrong: NaN
+    on the H200 with 8-row NVFP4 tiles of 64 words under 16 warps)."""
+    return 2 * 32 * num_warps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,14 +491,15 @@ class Tiling:
     packed_halves: bool = False
     rounds: int = 0
 
-    def row_blocks(self, N: int) -> tuple[int, int, int]:
+    def row_blocks(self, N: int, step_words: int) -> tuple[int, int, int]:
         """(programs of block_n rows, programs of the rows left after whole rounds of those, their
-        rows: a power of two, 0 where nothing is left over) for N output columns, one K range."""
+        rows: a power of two, 0 where nothing is left over) for N output columns, one K range, steps
+        of `step_words` weight words. A small program still gives each thread a word pair."""
         blocks = N // self.block_n
         left = blocks % self.rounds if self.rounds and self.split_k == 1 and blocks > self.rounds else 0
         if not left:
             return blocks, 0, 0
-        small = next_pow2(-(-left * self.block_n // self.rounds))  # a power of two: divides the rows left
+        small = next_pow2(max(-(-left * self.block_n // self.rounds), -(-_pair_words(self.num_warps) // step_words)))
         return (blocks, 0, 0) if small >= self.block_n else (blocks - left, left * self.block_n // small, small)
 
     def fits(self, w: "QuantizedWeight") -> bool:
@@ -501,8 +509,8 @@ class Tiling:
         N, K = w.shape
         pow2 = all(b == next_pow2(b) for b in (self.block_n, self.block_k))
         rows_in_scale_block = w.format != "fp8_block" or BLOCK % self.block_n == 0
-        half = not self.packed_halves or (self.gemv and w.format in HALF_FORMATS
-                                          and self.block_k >= 2 * VALUES_PER_WORD[w.format])
+        half = not self.packed_halves or (self.gemv and w.format in HALF_FORMATS and self.block_n * self.block_k
+                                          >= _pair_words(self.num_warps) * VALUES_PER_WORD[w.format])
         divides = N % self.block_n == 0 and K % (self.block_k * self.split_k) == 0
         return pow2 and divides and rows_in_scale_block and half
 
@@ -568,18 +576,17 @@ ONE_ROW_TILINGS = {
 }
 MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 (blocks) one row under HALF_MIN_BYTES
 HALF_MIN_BYTES = 32 << 20
-# Short, wide weights: too few 16-row programs leave the H200's 132 SMs unevenly loaded and short of
-# warps to hide memory latency (the 27B MLP's down projection [5120, 17408] makes 320). Under
-# FEW_PROGRAMS programs:
+# Short, wide weights: too few 16-row programs leave the H200's 132 SMs short of warps to hide memory
+# latency (the 27B MLP's down projection [5120, 17408] makes 320). Under FEW_PROGRAMS programs:
 #   - packed halves run 8 warps each;
-#   - under half that many, with a big weight (HALF_MIN_BYTES), any one-row GEMV splits K 2 ways, with
-#     512-wide steps where they divide K, else its own.
-# H200, [5120, 17408], GPU time with the row kernel (which scales each split range apart: 1.5-2.0 us)
-# and the partial sums' addition (1.0-1.1 us), session 8 runs 3-4: int8 26.3-26.7 us (split 4 with
-# 256-wide steps 26.8-27.0), fp8 26.3 (26.7-26.9), fp8 blocks 27.5-27.8 (29.1-29.3), NVFP4 19.7-19.8
-# (split 4, 256-wide: 19.2). At 0.8B projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a
-# split costs its addition; at 512 programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps
-# unsplit are (NVFP4 18.0 against 19.6, int8 26.3 against 32.5).
+#   - under half that many, with a big weight (HALF_MIN_BYTES), 1024-wide steps and 16 warps, unsplit
+#     (the SM rounds above even them out: 264 programs of 16 rows and 112 of 8); where 1024 does not
+#     divide K, K split 2 ways with 512-wide steps, else with the format's own, else neither.
+# H200, [5120, 17408], GPU time with the row kernel (whole row 2.3-2.5 us; split ranges 1.8-2.0) and any
+# partial sums' addition (1.0-1.2 us), session 8 runs 12-13: int8 26.3-26.6 us against 26.7-27.1 split 2,
+# fp8 26.3-26.6 (26.3-26.8), fp8 blocks 26.9-27.4 (27.8-28.3), NVFP4 18.3-18.4 (19.7-20.1). At 0.8B projections (64-384 programs, 1-4 MB) 8 warps save
+# 0.3-1.4 us and a split costs its addition; at 512 programs 8 warps were 3-13% faster; at 1088 ([17408,
+# 5120]) 4 warps unsplit are (NVFP4 18.0 against 19.6, int8 26.3 against 32.5).
 FEW_PROGRAMS = 1024
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),
@@ -605,7 +612,8 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight, rounds: int = 0) -> Tiling | N
         wide = dataclasses.replace(one_row, num_warps=8) if one_row.packed_halves else one_row
         split = 2 * programs < FEW_PROGRAMS and w.data.size >= HALF_MIN_BYTES
         halves = dataclasses.replace(wide, split_k=2)
-        one_rows = (dataclasses.replace(halves, block_k=512), halves, wide) if split else (wide,)
+        deep = dataclasses.replace(one_row, block_k=1024, num_warps=16)
+        one_rows = (deep, dataclasses.replace(halves, block_k=512), halves, wide) if split else (wide,)
     fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)
     tried = (*one_rows, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
     tiling = next((t for t in (*tried, Tiling()) if t.fits(w)), None)

@@ -84,7 +84,7 @@ def test_kernel_matches_dequantize_then_dot(fmt, M, gemv, packed):
 
 
 @pytest.mark.parametrize("fmt, tiling", [(fmt, Tiling(block_n=32, block_k=64, split_k=2)) for fmt in FORMATS] + [
-    (fmt, Tiling(16, 64, split_k=2, gemv=True, packed_halves=True)) for fmt in FORMATS])
+    (fmt, Tiling(16, 128, split_k=2, gemv=True, packed_halves=True)) for fmt in FORMATS])
 def test_split_k_partial_sums_add_up(fmt, tiling):
     """K cut over 2 programs per column block (the small-M tiling; a one-row GEMV of few programs)
     gives the same product, each range its two steps."""
@@ -122,20 +122,19 @@ def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
     assert pick_tiling(jnp.zeros((1, 384), jnp.bfloat16), w) == GEMV_FALLBACK
 
 
-def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_split_k():
-    """A short, wide weight makes few 16-row programs: they get 8 warps, and K is split where the
-    programs stay few and the weight is big (2 ways, with 512-wide steps where they divide K, else the
-    format's own); a tall weight keeps 4 warps, unsplit."""
+def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_deeper_steps():
+    """A short, wide weight makes few 16-row programs: they get 8 warps; where the programs stay few
+    and the weight is big, 1024-wide steps and 16 warps unsplit, else K split 2 ways (512-wide steps
+    where they divide it, else the format's own), else neither; a tall weight keeps 4 warps."""
     def one_row(n, k=5120, fmt="nvfp4"):
         return pick_tiling(jnp.zeros((1, k), jnp.bfloat16), jax.eval_shape(lambda: quantize(jnp.ones((n, k)), fmt)))
     nvfp4 = ONE_ROW_TILINGS["nvfp4"]
     assert one_row(16 * (FEW_PROGRAMS - 1)) == dataclasses.replace(nvfp4, num_warps=8)
     assert one_row(16 * FEW_PROGRAMS) == nvfp4 and nvfp4.num_warps == 4
-    assert one_row(5120, 17408) == dataclasses.replace(nvfp4, num_warps=8, split_k=2)  # 27B down
-    for fmt in ("int8", "fp8", "fp8_block"):  # 256-wide steps unsplit, 512-wide split
-        assert one_row(5120, 17408, fmt) == dataclasses.replace(ONE_ROW_TILINGS[fmt], block_k=512, num_warps=8, split_k=2)
+    for fmt in FORMATS:  # 27B down: unsplit, 1024-wide steps, 16 warps (whole rounds make it even)
+        assert one_row(5120, 17408, fmt) == dataclasses.replace(ONE_ROW_TILINGS[fmt], block_k=1024, num_warps=16)
     int8 = dataclasses.replace(ONE_ROW_TILINGS["int8"], num_warps=8)
-    assert one_row(5120, 17408 + 512, "int8") == dataclasses.replace(int8, split_k=2)  # 2 x 512 does not divide K, 2 x 256 does
+    assert one_row(5120, 17408 + 512, "int8") == dataclasses.replace(int8, split_k=2)  # 1024 and 2 x 512 do not divide K, 2 x 256 does
     assert one_row(5120, 17408 + 256, "int8") == int8  # neither does: unsplit
     assert one_row(1024, 3584).split_k == 1  # 0.8B: 1.8 MB, the partial sums' addition would cost more
 
@@ -145,11 +144,14 @@ def test_rounds_give_the_rows_left_after_whole_rounds_to_smaller_programs():
     run in 8 whole rounds and 128 programs of 4 rows take the 512 rows left. Nothing left, a split
     K, or fewer blocks than SMs: one size."""
     t = dataclasses.replace(ONE_ROW_TILINGS["int8"], rounds=132)
-    assert t.row_blocks(17408) == (1056, 128, 4)
-    assert t.row_blocks(16896) == (1056, 0, 0)
-    assert dataclasses.replace(t, split_k=2).row_blocks(17408) == (1088, 0, 0)
-    assert t.row_blocks(1024) == (64, 0, 0)
-    assert ONE_ROW_TILINGS["int8"].row_blocks(17408) == (1088, 0, 0)
+    assert t.row_blocks(17408, 64) == (1056, 128, 4)
+    assert t.row_blocks(16896, 64) == (1056, 0, 0)
+    assert dataclasses.replace(t, split_k=2).row_blocks(17408, 64) == (1088, 0, 0)
+    assert t.row_blocks(1024, 64) == (64, 0, 0)
+    assert ONE_ROW_TILINGS["int8"].row_blocks(17408, 64) == (1088, 0, 0)
+    deep = Tiling(16, 1024, 1, 16, gemv=True, packed_halves=True, rounds=132)  # 27B down, 256-word steps
+    assert deep.row_blocks(5120, 256) == (264, 112, 8)
+    assert deep.row_blocks(5120, 64) == (320, 0, 0)  # 8 rows of 64 words: under a word pair a thread
     up = jax.eval_shape(lambda: quantize(jnp.ones((17408, 5120)), "nvfp4"))
     assert pick_tiling(jnp.zeros((1, 5120), jnp.bfloat16), up, rounds=132).rounds == 132
     assert pick_tiling(jnp.zeros((2, 5120), jnp.bfloat16), up, rounds=132).rounds == 0  # the dot path
@@ -157,12 +159,15 @@ def test_rounds_give_the_rows_left_after_whole_rounds_to_smaller_programs():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_packed_half_gemv_with_smaller_programs_for_the_rows_left_matches(fmt):
-    """N = 144: nine 16-row blocks over 4 "SMs" leave one block, taken by four 4-row programs."""
+    """N = 144: nine 16-row blocks over 4 "SMs" leave one block, taken by smaller programs (4 rows,
+    8 for NVFP4, whose 32-word steps need 8 rows to give each thread a word pair)."""
+    from pallas_kernels.quant_matmul import VALUES_PER_WORD
+
     rng = np.random.default_rng(8)
     w = quantize(rng.normal(size=(144, 512)).astype(np.float32), fmt)
     x = jnp.asarray(rng.normal(size=(1, 512)), jnp.bfloat16)
-    tiling = Tiling(16, 128, gemv=True, packed_halves=True, rounds=4)
-    assert tiling.row_blocks(144) == (8, 4, 4)
+    tiling = Tiling(16, 256, gemv=True, packed_halves=True, rounds=4)
+    assert tiling.row_blocks(144, 256 // VALUES_PER_WORD[fmt]) == ((8, 2, 8) if fmt == "nvfp4" else (8, 4, 4))
     got = quant_matmul_pallas(x, w, tiling=tiling, interpret=True)
     assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 4
 
@@ -244,6 +249,10 @@ def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
     w = quantize(np.ones((48, K), np.float32), "int8")
     with pytest.raises(ValueError, match="does not divide a \\[48, 256\\] int8 weight"):
         quant_matmul_pallas(jnp.zeros((1, K), jnp.bfloat16), w, tiling=Tiling(block_n=32), interpret=True)
+    nvfp4 = quantize(np.ones((N, K), np.float32), "nvfp4")  # 16 rows of 8 words: under a word pair for 128 threads
+    assert not Tiling(16, 64, gemv=True, packed_halves=True).fits(nvfp4)
+    assert Tiling(16, 128, gemv=True, packed_halves=True).fits(nvfp4)
+    assert not Tiling(16, 128, num_warps=8, gemv=True, packed_halves=True).fits(nvfp4)
 
 
 def test_dispatcher_on_cpu_is_the_reference():
