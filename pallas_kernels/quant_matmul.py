@@ -476,8 +476,8 @@ class Tiling:
     """How the kernel cuts the work: block_n output columns per program, block_k of K per loop
     step, K split over split_k programs (partial sums added after), Triton's warps and stages;
     with gemv, a single activation row is contracted without a tensor-core dot on rows padded to
-    16: by float32 multiply-and-sum, or with packed_halves by f16 pairs (HALF_FORMATS only, block_k
-    at least two weight words). A packed-half GEMV with `rounds` (the GPU's SM count) runs its
+    16: by float32 multiply-and-sum, or with packed_halves by f16 pairs (HALF_FORMATS only, a tile of
+    at least a weight-word pair a thread). A packed-half GEMV with `rounds` (the GPU's SM count) runs its
     block_n-row programs in whole rounds of one per SM and gives the rows left over to up to one
     smaller program per SM: all programs run at once, so an SM with one program more than the
     others sets the time."""
@@ -529,7 +529,7 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
         raise ValueError(f"tiling {t} does not divide a [{N}, {K}] {w.format} weight (block_n | N, "
                          f"block_k * split_k | K; fp8_block also block_n | 128 and block_k | 128; a "
                          f"packed-half GEMV: one row of {', '.join(HALF_FORMATS)}, "
-                         f"two weight words a step)")
+                         f"a weight-word pair for each of its threads)")
     if M == 1 and t.packed_halves:
         return _half_gemv(x, w, t, interpret)
     Mp = 1 if M == 1 and t.gemv else max(16, next_pow2(M))
@@ -584,9 +584,10 @@ HALF_MIN_BYTES = 32 << 20
 #     divide K, K split 2 ways with 512-wide steps, else with the format's own, else neither.
 # H200, [5120, 17408], GPU time with the row kernel (whole row 2.3-2.5 us; split ranges 1.8-2.0) and any
 # partial sums' addition (1.0-1.2 us), session 8 runs 12-13: int8 26.3-26.6 us against 26.7-27.1 split 2,
-# fp8 26.3-26.6 (26.3-26.8), fp8 blocks 26.9-27.4 (27.8-28.3), NVFP4 18.3-18.4 (19.7-20.1). At 0.8B projections (64-384 programs, 1-4 MB) 8 warps save
-# 0.3-1.4 us and a split costs its addition; at 512 programs 8 warps were 3-13% faster; at 1088 ([17408,
-# 5120]) 4 warps unsplit are (NVFP4 18.0 against 19.6, int8 26.3 against 32.5).
+# fp8 26.3-26.6 (26.3-26.8), fp8 blocks 26.9-27.4 (27.8-28.3), NVFP4 18.3-18.4 (19.7-20.1). At 0.8B
+# projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a split costs its addition; at 512
+# programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps unsplit are (NVFP4 18.0 against
+# 19.6, int8 26.3 against 32.5).
 FEW_PROGRAMS = 1024
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),

@@ -251,6 +251,9 @@ def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
         quant_matmul_pallas(jnp.zeros((1, K), jnp.bfloat16), w, tiling=Tiling(block_n=32), interpret=True)
     nvfp4 = quantize(np.ones((N, K), np.float32), "nvfp4")  # 16 rows of 8 words: under a word pair for 128 threads
     assert not Tiling(16, 64, gemv=True, packed_halves=True).fits(nvfp4)
+    with pytest.raises(ValueError, match="a weight-word pair for each of its threads"):
+        quant_matmul_pallas(jnp.zeros((1, K), jnp.bfloat16), nvfp4, tiling=Tiling(16, 64, gemv=True, packed_halves=True),
+                            interpret=True)
     assert Tiling(16, 128, gemv=True, packed_halves=True).fits(nvfp4)
     assert not Tiling(16, 128, num_warps=8, gemv=True, packed_halves=True).fits(nvfp4)
 
