@@ -447,9 +447,10 @@ def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool)
     words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // per_word, 4), jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
     args = (x_pairs, post, words, *_scale_operands(w))
-    big, small, small_bn = t.row_blocks(N, t.block_k // per_word)
-    kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, big=big, small_bn=small_bn,
-                               bw=t.block_k // per_word, k_steps=K // (t.block_k * t.split_k), ptx=not interpret)
+    bw = t.block_k // per_word  # weight words a step
+    big, small, small_bn = t.row_blocks(N, bw)
+    kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, big=big, small_bn=small_bn, bw=bw,
+                               k_steps=K // (t.block_k * t.split_k), ptx=not interpret)
     out = pl.pallas_call(  # one K range writes x's dtype; split K writes float32 partial sums
         kernel, out_shape=jax.ShapeDtypeStruct((t.split_k, N), x.dtype if t.split_k == 1 else jnp.float32),
         grid=(big + small, t.split_k), in_specs=[whole(a) for a in args],
