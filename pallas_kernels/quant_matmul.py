@@ -5,7 +5,8 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
   "fp8"       data float8_e4m3fn [N, K], scale float32 [N];
   "fp8_block" data float8_e4m3fn [N, K], scale float32 [ceil(N/128), ceil(K/128)] (Qwen's FP8
               checkpoints: W = fp8 * weight_scale_inv per 128 x 128 block);
-  "nvfp4"     data uint8 [N, K/2] (two e2m1 codes a byte, the even column in the low nibble),
+  "nvfp4"     data uint8 [N, K/2] (two e2m1 codes a byte, columns 2j and 2j + 1 in byte j, their
+              bits placed as E2M1_BITS says: not ModelOpt's nibbles, see `nvfp4_from_modelopt`),
               scale float8_e4m3fn [N, K/16] (one per 16 values), global_scale float32 [].
 
 `quant_matmul` is the dispatcher: the Pallas (Triton) kernel on a GPU, dequantize-then-dot
@@ -14,7 +15,7 @@ is split), loops over K in BK tiles, dequantizes each weight tile in registers a
 float32. A single activation row (decode at batch 1) is contracted by packed f16 pairs in their own
 kernels (below); more rows by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). On
 the GPU the int8 and e2m1 decodes are inline PTX bit tricks (int8 without the int-to-float
-converter; e2m1 transcoded to e4m3, which the GPU widens two at a time).
+converter; e2m1 codes stored where f16 and e5m2 keep those bits, so a mask decodes them).
 Measured one-row figures are in BENCHMARKS.md.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -84,8 +86,50 @@ def quantize(w: jax.Array, fmt: str) -> QuantizedWeight:
     unit = groups / (scale.astype(jnp.float32)[..., None] * global_scale + 1e-30)
     mag = jnp.argmin(jnp.abs(jnp.abs(unit)[..., None] - E2M1_VALUES), axis=-1)
     codes = (mag + 8 * (unit < 0)).astype(jnp.uint8).reshape(N, K)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return QuantizedWeight(packed, scale, global_scale, fmt)
+    return QuantizedWeight(pack_e2m1(codes[:, 0::2], codes[:, 1::2]), scale, global_scale, fmt)
+
+
+# Where a byte keeps its two e2m1 codes' bits (sign, e1, e0, m), the even column's first. The even
+# column's sit where an e5m2 byte, or an f16's high byte, keeps its sign, low exponent bits and first
+# mantissa bit, so `byte & 0x8E` is that column's value times 2^-14 (E2M1_SHRINK) as e5m2. The odd
+# column's are the same positions mirrored: bit-reversing the byte decodes it the same way.
+# ModelOpt's checkpoints keep the even column in the low nibble, the odd in the high one; the
+# loaders convert at the file boundary (`nvfp4_from_modelopt`, `nvfp4_to_modelopt`). Session 9: the
+# one-row GPU decode takes 7 instructions a word of 8 codes here, 11 from ModelOpt's nibbles.
+E2M1_BITS = ((7, 3, 2, 1), (0, 4, 5, 6))
+E2M1_SHRINK = 2.0**14  # e2m1 value / its e5m2 (f16) reading
+E5M2_E2M1_MASK = 0x8E
+
+
+def pack_e2m1(even, odd):
+    """e2m1 codes (0..15, bit 3 the sign) of the even and odd columns, uint8 [...] (numpy or jax)
+    -> their bytes [...] uint8."""
+    out = 0
+    for codes, positions in zip((even, odd), E2M1_BITS):
+        for bit, position in zip((3, 2, 1, 0), positions):
+            out = out | (((codes >> bit) & 1) << position)
+    return out
+
+
+def unpack_e2m1(data) -> tuple:
+    """Bytes uint8 [...] (numpy or jax) -> the even and odd columns' e2m1 codes, uint8 [...] each."""
+    return tuple(functools.reduce(operator.or_, (((data >> position) & 1) << bit for bit, position
+                                                 in zip((3, 2, 1, 0), positions))) for positions in E2M1_BITS)
+
+
+_EVERY_BYTE = np.arange(256, dtype=np.uint8)
+_FROM_MODELOPT = pack_e2m1(_EVERY_BYTE & 15, _EVERY_BYTE >> 4)  # a permutation of the 256 bytes
+_TO_MODELOPT = np.argsort(_FROM_MODELOPT).astype(np.uint8)
+
+
+def nvfp4_from_modelopt(packed: np.ndarray) -> np.ndarray:
+    """ModelOpt NVFP4 weight bytes (the even column in the low nibble) -> this module's layout."""
+    return _FROM_MODELOPT[np.asarray(packed)]
+
+
+def nvfp4_to_modelopt(data: np.ndarray) -> np.ndarray:
+    """This module's NVFP4 bytes -> ModelOpt's (the even column in the low nibble)."""
+    return _TO_MODELOPT[np.asarray(data)]
 
 
 def decode_e2m1(codes: jax.Array) -> jax.Array:
@@ -108,7 +152,7 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     if w.format == "fp8_block":
         s = jnp.repeat(jnp.repeat(w.scale, BLOCK, axis=0), BLOCK, axis=1)[:N, :K]
         return w.data.astype(jnp.float32) * s
-    codes = jnp.stack([w.data & 15, w.data >> 4], axis=-1).reshape(N, K)
+    codes = jnp.stack(unpack_e2m1(w.data), axis=-1).reshape(N, K)
     s = jnp.repeat(w.scale.astype(jnp.float32), GROUP, axis=1) * w.global_scale
     return decode_e2m1(codes) * s
 
@@ -158,22 +202,16 @@ sub.f32 $2, $2, 0f4B000080; sub.f32 $3, $3, 0f4B000080;
 }"""
 
 
-def _e2m1_to_e4m3_ptx(src: str, low: str, high: str) -> tuple[str, str]:
-    """PTX lines that transcode word `src`'s low nibbles into register `low` and its high ones into
-    `high` (temporaries t and u): e2m1 (s e e m) -> e4m3 (s 0 0 e e m 0 0), four bytes a word, whose
-    value is the e2m1 value times 2^-6 (e = 0 included: both are subnormal there)."""
-    return (f"shl.b32 t, {src}, 4; and.b32 t, t, 0x80808080; shl.b32 u, {src}, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 {low}, t, u;",
-            f"shr.b32 u, {src}, 2; and.b32 u, u, 0x1C1C1C1C; and.b32 t, {src}, 0x80808080; or.b32 {high}, t, u;")
-
-
 def _e4m3_to_f16_pairs_ptx(n: int) -> str:
     """PTX that widens the e4m3 byte pairs l0..l{n-1} into f16 pairs h0..h{n-1}."""
     return " ".join(f"cvt.rn.f16x2.e4m3x2 h{i}, l{i};" for i in range(n))
 
 
-# Two blocks, one per half: Pallas lowers an inline-asm call with one result only.
-_E2M1_TO_E4M3_PTX = tuple("{\n.reg .b32 t, u;\n" + line + "\n}" for line in _e2m1_to_e4m3_ptx("$1", "$0", "$0"))
-E2M1_IN_E4M3 = 64.0  # 2^6: what the transcoded e4m3 values are scaled down by
+# Four bytes' even columns, then their odd ones, as e5m2 bytes (times 2^-14): the odd columns' bits are
+# the even ones' mirrored, so the word is bit-reversed and its bytes put back in order first. Two
+# blocks: Pallas lowers an inline-asm call with one result only.
+_E2M1_TO_E5M2_PTX = (f"and.b32 $0, $1, {E5M2_E2M1_MASK * 0x01010101:#x};",
+                     f"{{\n.reg .b32 t;\nbrev.b32 t, $1; prmt.b32 t, t, 0, 0x0123; and.b32 $0, t, {E5M2_E2M1_MASK * 0x01010101:#x};\n}}")
 
 
 def _int8_to_float(w: jax.Array, ptx: bool) -> jax.Array:
@@ -189,15 +227,15 @@ def _e2m1_pairs(packed: jax.Array, ptx: bool) -> tuple[jax.Array, jax.Array, flo
     """Packed e2m1 codes [bn, k/2] -> (even, odd) columns as float32 [bn, k/2], and the factor
     they are scaled down by."""
     if not ptx:
-        return decode_e2m1(packed & 15), decode_e2m1(packed >> 4), 1.0
+        return *map(decode_e2m1, unpack_e2m1(packed)), 1.0
 
     def transcoded(asm):
-        [e4m3] = plt.elementwise_inline_asm(asm, args=[packed], constraints="=r,r", pack=4,  # Triton: signless
+        [e5m2] = plt.elementwise_inline_asm(asm, args=[packed], constraints="=r,r", pack=4,  # Triton: signless
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, jnp.int8)])
-        return jax.lax.bitcast_convert_type(e4m3, FP8).astype(jnp.float32)
+        return jax.lax.bitcast_convert_type(e5m2, jnp.float8_e5m2).astype(jnp.float32)
 
-    lo, hi = map(transcoded, _E2M1_TO_E4M3_PTX)
-    return lo, hi, E2M1_IN_E4M3
+    even, odd = map(transcoded, _E2M1_TO_E5M2_PTX)
+    return even, odd, E2M1_SHRINK
 
 
 def _dequantized_pairs(step: tuple, g, *, fmt: str, ptx: bool) -> list[tuple[jax.Array, jax.Array, jax.Array | None]]:
@@ -264,11 +302,15 @@ def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, 
 # scales its sums back once, after its K loop. Converting the bf16 row inside the GEMV loop instead
 # costs more than the row kernel's launch (H200: int8 27.1 against 24.5 + 1.4 us; BENCHMARKS.md).
 HALF_FORMATS = ("int8", "fp8", "fp8_block", "nvfp4")
-X_TOP_EXPONENT = {"int8": 6, "fp8": 5, "fp8_block": 5, "nvfp4": 15}  # 4 x 128 x 2^6, 4 x 448 x 2^5, 16 x 6/64 x 2^15 < 65504
+# 4 x 128 x 2^6 and 4 x 448 x 2^5 < 65504; NVFP4's sums (16 x 6 x 2^-14 x 2^15) are far inside, but
+# the activations themselves must stay under 65504. Its products sit 2^14 lower than the values
+# (E2M1_SHRINK), so they stay normal f16 down to 2^-15 of the range's largest |x|; smaller ones keep
+# an absolute error under 2^-25, against products up to 12.
+X_TOP_EXPONENT = {"int8": 6, "fp8": 5, "fp8_block": 5, "nvfp4": 15}
 VALUES_PER_WORD = {"int8": 4, "fp8": 4, "fp8_block": 4, "nvfp4": 8}
 # Which values of a weight word each activation pair array holds, (low lane, high lane).
 X_PAIR_VALUES = {"int8": ((0, 1), (2, 3)), "fp8": ((0, 1), (2, 3)), "fp8_block": ((0, 1), (2, 3)),
-                 "nvfp4": ((0, 2), (4, 6), (1, 3), (5, 7))}
+                 "nvfp4": ((0, 4), (2, 6), (7, 3), (5, 1))}
 
 # Operands of every call: $0 $1 the two words' accumulators out; $2 $3 the weight words; then the
 # activation pair words, two per array (one for each weight word), the two words' scales and the two
@@ -287,15 +329,15 @@ sub.f16x2 h0, h0, m; sub.f16x2 h1, h1, m; sub.f16x2 h2, h2, m; sub.f16x2 h3, h3,
 """ + _PAIR_PRODUCTS
 _FP8_HALF_PTX = (_HALF_REGS + "mov.b32 {l0, l1}, $2; mov.b32 {l2, l3}, $3;\n" + _e4m3_to_f16_pairs_ptx(4) + "\n"
                  + _PAIR_PRODUCTS)
-# NVFP4: two words are one 16-value group. Each word's low nibbles (values 0, 2, 4, 6) and high ones
-# (1, 3, 5, 7) are transcoded to e4m3 as in _E2M1_TO_E4M3_PTX (times 2^-6), widened to f16 pairs and
-# met by activation arrays A (values 0, 2), B (4, 6), C (1, 3), D (5, 7) in one chain of eight
-# fma.f16x2; its two lanes are added in f16 (one instruction where two conversions and a float32 add
-# were), and the sum times $12, the group's scale, goes to the accumulator.
+# NVFP4: two words are one 16-value group. Masking a word with 0x8E008E00 leaves f16 pairs (times
+# 2^-14) of values (2, 6), its bytes 1 and 3; shifted left a byte first, (0, 4); bit-reversed, the
+# odd columns (5, 1), and reversed and shifted, (7, 3) (E2M1_BITS). They meet activation arrays A
+# (values 0, 4), B (2, 6), C (7, 3), D (5, 1) in one chain of eight fma.f16x2; its two lanes are added
+# in f16, and the sum times $12, the group's scale, goes to the accumulator.
 _NVFP4_HALF_PTX = _HALF_REGS + "\n".join(
-    "\n".join(_e2m1_to_e4m3_ptx(w, f"e{2 * i}", f"e{2 * i + 1}")) for i, w in enumerate(("$2", "$3"))) + """
-mov.b32 {l0, l1}, e0; mov.b32 {l2, l3}, e1; mov.b32 {l4, l5}, e2; mov.b32 {l6, l7}, e3;
-""" + _e4m3_to_f16_pairs_ptx(8) + """
+    f"shl.b32 t, {w}, 8; and.b32 h{4 * i}, t, M; and.b32 h{4 * i + 1}, {w}, M; brev.b32 u, {w}; "
+    f"shl.b32 t, u, 8; and.b32 h{4 * i + 2}, t, M; and.b32 h{4 * i + 3}, u, M;"
+    for i, w in enumerate(("$2", "$3"))).replace("M", f"{E5M2_E2M1_MASK * 0x01000100:#x}") + """
 mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p; fma.rn.f16x2 p, h2, $8, p; fma.rn.f16x2 p, h3, $10, p;
 fma.rn.f16x2 p, h4, $5, p; fma.rn.f16x2 p, h5, $7, p; fma.rn.f16x2 p, h6, $9, p; fma.rn.f16x2 p, h7, $11, p;
 mov.b32 {a, b}, p; add.rn.f16 a, a, b; cvt.f32.f16 fa, a;
@@ -305,14 +347,15 @@ _HALF_PTX = {"int8": _INT8_HALF_PTX, "fp8": _FP8_HALF_PTX, "fp8_block": _FP8_HAL
 def half_word_sums(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array) -> jax.Array:
     """What the PTX adds for each weight word, in float32 arithmetic (the CPU's form): words int32
     [..., W], x_pairs the f16-pair words (bitcast to int32) [..., W], scale [..., W] -> [..., W]."""
-    x = [jax.lax.bitcast_convert_type(a, jnp.float16).astype(jnp.float32) for a in x_pairs]  # [..., W, 2] each
+    lanes = {value: jax.lax.bitcast_convert_type(a, jnp.float16)[..., lane].astype(jnp.float32)
+             for a, pair in zip(x_pairs, X_PAIR_VALUES[fmt]) for lane, value in enumerate(pair)}
+    x = jnp.stack([lanes[v] for v in sorted(lanes)], axis=-1)  # [..., W, values a word] in the word's order
     if fmt != "nvfp4":
         values = jax.lax.bitcast_convert_type(words, jnp.int8 if fmt == "int8" else FP8).astype(jnp.float32)
-        return jnp.sum(values * jnp.concatenate(x, axis=-1), axis=-1) * scale
-    codes = jax.lax.bitcast_convert_type(words, jnp.uint8)  # [..., W, 4]: byte j holds values 2j, 2j + 1
-    low, high = decode_e2m1(codes & 15) / E2M1_IN_E4M3, decode_e2m1(codes >> 4) / E2M1_IN_E4M3
-    a, b, c, d = x
-    return jnp.sum(low * jnp.concatenate([a, b], -1) + high * jnp.concatenate([c, d], -1), axis=-1) * scale
+    else:  # byte j holds values 2j, 2j + 1
+        codes = jnp.stack(unpack_e2m1(jax.lax.bitcast_convert_type(words, jnp.uint8)), axis=-1)
+        values = decode_e2m1(codes.reshape(*words.shape, 8)) / E2M1_SHRINK
+    return jnp.sum(values * x, axis=-1) * scale
 
 
 def _half_products(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array, acc: jax.Array,
@@ -379,11 +422,22 @@ def half_row(x: jax.Array, fmt: str, ranges: int = 1, interpret: bool = False) -
     )(x.reshape(-1))
 
 
-def _word_scales(s_ref, n0, step, *, fmt: str, bn: int, bw: int) -> jax.Array:
+# NVFP4's group scales reach their two words by one contiguous load and a broadcast, which Triton
+# lays out through shared memory with a barrier each K step; above SHARED_SCALES_MAX_WARPS each word
+# loads its own scale instead (more address arithmetic, no barrier). H200, session 9 run 1: the
+# down projection's 16 warps 15.4-15.5 us kernel against 20.1-20.3; the up one's 4 warps 13.3-13.5
+# against 13.4-13.5, and 8 warps at 0.8B 3.5 against 3.6-3.7.
+SHARED_SCALES_MAX_WARPS = 8
+
+
+def _word_scales(s_ref, n0, step, *, fmt: str, bn: int, bw: int, gathered: bool) -> jax.Array:
     """What each weight word's products [bn, bw] are multiplied by at K step `step`: its group's scale
-    (NVFP4: one for each of a group's two words, by a contiguous load, no gather), its 128 x 128
-    block's (fp8 blocks), or 1 (per-channel scales multiply the sums once, after the K loop)."""
+    (NVFP4: one for each of a group's two words, broadcast from one load or `gathered` word by word),
+    its 128 x 128 block's (fp8 blocks), or 1 (per-channel scales multiply the sums once, after the K loop)."""
     if fmt == "nvfp4":
+        if gathered:
+            cols = step * (bw // 2) + jax.lax.broadcasted_iota(jnp.int32, (1, bw), 1) // 2
+            return s_ref[n0 + jax.lax.broadcasted_iota(jnp.int32, (bn, 1), 0), cols].astype(jnp.float32)
         groups = s_ref[pl.ds(n0, bn), pl.ds(step * (bw // 2), bw // 2)].astype(jnp.float32)
         return jnp.broadcast_to(groups[:, :, None], (bn, bw // 2, 2)).reshape(bn, bw)
     if fmt != "fp8_block":
@@ -396,7 +450,7 @@ def _word_scales(s_ref, n0, step, *, fmt: str, bn: int, bw: int) -> jax.Array:
 
 
 def _half_gemv_block(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, n0, j, *, fmt: str, bn: int, bw: int, k_steps: int,
-                     ptx: bool):
+                     ptx: bool, gathered: bool):
     """Output columns [n0, n0 + bn) of the one row over the j-th split K range. One float32
     accumulator a weight word [bn, bw] (the PTX fills every other one), summed after the K loop.
     Each step's tiles are loaded a step ahead and carried through the loop, so their latency hides
@@ -406,7 +460,7 @@ def _half_gemv_block(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, n0, j, *, fmt:
     def load(i):
         cols = pl.ds(i * bw, bw)
         x_pairs = [jnp.broadcast_to(x_ref[pl.ds(a, 1), cols], (bn, bw)) for a in range(x_ref.shape[0])]
-        return w_ref[pl.ds(n0, bn), cols], x_pairs, _word_scales(s_ref, n0, i, fmt=fmt, bn=bn, bw=bw)
+        return w_ref[pl.ds(n0, bn), cols], x_pairs, _word_scales(s_ref, n0, i, fmt=fmt, bn=bn, bw=bw, gathered=gathered)
 
     def body(i, carry):
         acc, (words, x_pairs, scale) = carry
@@ -416,7 +470,7 @@ def _half_gemv_block(x_ref, post_ref, w_ref, s_ref, g_ref, o_ref, n0, j, *, fmt:
     acc, _ = jax.lax.fori_loop(0, k_steps, body, (jnp.zeros((bn, bw), jnp.float32), load(first_step)))
     out = jnp.sum(acc, axis=1) * post_ref[j]
     if fmt == "nvfp4":
-        out = out * (g_ref[0] * E2M1_IN_E4M3)  # the global scale, and the transcode's 2^-6 undone
+        out = out * (g_ref[0] * E2M1_SHRINK)  # the global scale, and the decode's 2^-14 undone
     elif fmt != "fp8_block":
         out = out * s_ref[pl.ds(n0, bn)]
     o_ref[pl.ds(j, 1), pl.ds(n0, bn)] = out[None, :].astype(o_ref.dtype)
@@ -450,7 +504,8 @@ def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool)
     bw = t.block_k // per_word  # weight words a step
     big, small, small_bn = t.row_blocks(N, bw)
     kernel = functools.partial(_half_gemv_kernel, fmt=w.format, bn=t.block_n, big=big, small_bn=small_bn, bw=bw,
-                               k_steps=K // (t.block_k * t.split_k), ptx=not interpret)
+                               k_steps=K // (t.block_k * t.split_k), ptx=not interpret,
+                               gathered=t.num_warps > SHARED_SCALES_MAX_WARPS)
     out = pl.pallas_call(  # one K range writes x's dtype; split K writes float32 partial sums
         kernel, out_shape=jax.ShapeDtypeStruct((t.split_k, N), x.dtype if t.split_k == 1 else jnp.float32),
         grid=(big + small, t.split_k), in_specs=[whole(a) for a in args],
@@ -581,7 +636,8 @@ HALF_MIN_BYTES = 32 << 20
 # latency (the 27B MLP's down projection [5120, 17408] makes 320). Under FEW_PROGRAMS programs:
 #   - packed halves run 8 warps each;
 #   - under half that many, with a big weight (HALF_MIN_BYTES), 1024-wide steps and 16 warps, unsplit
-#     (the SM rounds above even them out: 264 programs of 16 rows and 112 of 8); where 1024 does not
+#     (the SM rounds above even them out: 264 programs of 16 rows and 112 of 8; fp8 blocks take
+#     DEEP_ROWS, 132 of 32 and 112 of 8); where 1024 does not
 #     divide K, K split 2 ways with 512-wide steps, else with the format's own, else neither.
 # H200, [5120, 17408], GPU time with the row kernel (whole row 2.3-2.5 us; split ranges 1.8-2.0) and any
 # partial sums' addition (1.0-1.2 us), session 8 runs 12-13: int8 26.3-26.6 us against 26.7-27.1 split 2,
@@ -590,6 +646,9 @@ HALF_MIN_BYTES = 32 << 20
 # programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps unsplit are (NVFP4 18.0 against
 # 19.6, int8 26.3 against 32.5).
 FEW_PROGRAMS = 1024
+# fp8 blocks' deep programs take 32 rows (session 9 run 2: 26.7-27.2 us against 27.5-27.6 for 16; NVFP4's
+# took 21.9-22.0 against 17.5-18.1).
+DEEP_ROWS = {"fp8_block": 32}
 MANY_ROWS_TILINGS = {
     "int8": Tiling(64, 256, 1, 4, 3),
     "fp8": Tiling(64, 256, 1, 4, 3),
@@ -614,7 +673,7 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight, rounds: int = 0) -> Tiling | N
         wide = dataclasses.replace(one_row, num_warps=8) if one_row.packed_halves else one_row
         split = 2 * programs < FEW_PROGRAMS and w.data.size >= HALF_MIN_BYTES
         halves = dataclasses.replace(wide, split_k=2)
-        deep = dataclasses.replace(one_row, block_k=1024, num_warps=16)
+        deep = dataclasses.replace(one_row, block_n=DEEP_ROWS.get(w.format, one_row.block_n), block_k=1024, num_warps=16)
         one_rows = (deep, dataclasses.replace(halves, block_k=512), halves, wide) if split else (wide,)
     fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)
     tried = (*one_rows, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from models.qwen3_5 import SCALE_NAMES, Linear, Qwen3_5Config, quantize_linears
-from pallas_kernels.quant_matmul import QuantizedWeight, dequantize, quantize
+from pallas_kernels.quant_matmul import QuantizedWeight, dequantize, nvfp4_from_modelopt, quantize
 from spec_jax.checkpoint import CheckpointError, TensorSource, param_sources, read_json
 
 # Linears that the published FP8 and NVFP4 checkpoints quantize (module names, any layer).
@@ -120,7 +120,7 @@ class QuantizedSource(TensorSource):
     def quantized_weight(self, module: str) -> QuantizedWeight:
         """The codes and scales of one quantized Linear (`module` = its name without `.weight`)."""
         fmt = self.scheme.format
-        data = self.raw(f"{module}.weight")
+        data = self.codes(f"{module}.weight")
         N, K = data.shape[0], data.shape[1] * (2 if fmt == "nvfp4" else 1)
         want = jax.eval_shape(functools.partial(quantize, fmt=fmt), jax.ShapeDtypeStruct((N, K), np.float32))
         scale_name, global_name = SCALE_NAMES[fmt]
@@ -136,9 +136,17 @@ class QuantizedSource(TensorSource):
             arrays[field] = np.asarray(arr).astype(expected.dtype).reshape(expected.shape)
         return QuantizedWeight(data, arrays["scale"], arrays.get("global_scale"), fmt)
 
+    def codes(self, name: str) -> np.ndarray:
+        """A quantized Linear's `weight` as quant_matmul holds it: NVFP4's ModelOpt nibbles are moved
+        into the kernels' bit layout (`quant_matmul.E2M1_BITS`); FP8 codes are the stored bytes."""
+        data = self.raw(name)
+        return nvfp4_from_modelopt(data) if self.scheme.format == "nvfp4" else data
+
     def get(self, name: str) -> np.ndarray:
         module, leaf = name.rsplit(".", 1)
         if module in self.kept:
+            if leaf == "weight":
+                return self.codes(name)
             arr = self.raw(name)
             return arr.reshape(()) if leaf == "weight_scale_2" else arr  # some exports store it as [1]
         if not self.is_quantized(name):

@@ -13,6 +13,7 @@ float projection (`checkpoint_quant.QUANTIZED_PROJECTIONS`), quantized with quan
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from pallas_kernels.quant_matmul import FORMATS
+from pallas_kernels.quant_matmul import E2M1_BITS, FORMATS, nvfp4_from_modelopt
 from spec_jax.checkpoint import CheckpointError, load_config, load_model, read_json, resolve_dtype
 from spec_jax.checkpoint_quant import quantize_projections, quantized_linears
 
@@ -53,7 +54,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat
     copy_side_files(src, out, cfg)
     quantized = {".".join(map(str, path)): fmt for path, fmt in quantized_linears(model).items()}
     marker = {"format": "orbax", "dtype": dtype, "source": str(src), "mtp": cfg.mtp_num_hidden_layers > 0,
-              "quantized": quantized}
+              "quantized": quantized, "nvfp4_bits": [list(b) for b in E2M1_BITS]}
     (out / MARKER).write_text(json.dumps(marker, indent=2))
     return out
 
@@ -109,5 +110,21 @@ def restore(model_dir: str | os.PathLike, dtype: str | None = None):
     if wanted != saved:  # cast to the leaves' dtypes in the wanted model (norms, codes and scales keep theirs)
         graphdef, state = abstract(wanted)
         params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, nnx.to_pure_dict(state))
+    nvfp4_bytes_as_saved(params, formats, marker, model_dir)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state), cfg
+
+
+def nvfp4_bytes_as_saved(params: dict, formats: dict[tuple, str], marker: dict, model_dir: Path) -> None:
+    """Bring restored NVFP4 codes into today's byte layout (quant_matmul.E2M1_BITS), in place.
+    Directories converted before the marker named it hold ModelOpt's nibbles (the even column low)."""
+    saved = marker.get("nvfp4_bits")
+    if saved == [list(b) for b in E2M1_BITS] or "nvfp4" not in formats.values():
+        return
+    if saved is not None:
+        raise CheckpointError(f"{model_dir / MARKER} names NVFP4 bit positions {saved}; this version reads "
+                              f"{[list(b) for b in E2M1_BITS]} or ModelOpt's nibbles: convert the model again")
+    for path, fmt in formats.items():
+        if fmt == "nvfp4":
+            leaf = functools.reduce(lambda d, k: d[k], path, params)
+            leaf["weight"] = nvfp4_from_modelopt(leaf["weight"])

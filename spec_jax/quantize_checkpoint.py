@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from pallas_kernels.quant_matmul import GROUP, quantize
+from pallas_kernels.quant_matmul import GROUP, nvfp4_to_modelopt, quantize
 from spec_jax.checkpoint import TensorSource, read_json
 from spec_jax.checkpoint_quant import QUANTIZED_PROJECTIONS
 
@@ -77,7 +77,7 @@ def quantized_tensors(module: str, w: np.ndarray, fmt: str, scale_dtype) -> dict
         q = quantize_jit(w, fmt="fp8_block")
         return {f"{module}.weight": np.asarray(q.data), f"{module}.weight_scale_inv": np.asarray(q.scale).astype(scale_dtype)}
     q = quantize_jit(w, fmt="nvfp4")
-    return {f"{module}.weight": np.asarray(q.data), f"{module}.weight_scale": np.asarray(q.scale),
+    return {f"{module}.weight": nvfp4_to_modelopt(q.data), f"{module}.weight_scale": np.asarray(q.scale),
             f"{module}.weight_scale_2": np.asarray(q.global_scale, np.float32),
             f"{module}.input_scale": np.asarray(1.0 / (6.0 * 448.0), np.float32)}
 

@@ -22,6 +22,7 @@ from pallas_kernels.quant_matmul import (
     QuantizedWeight,
     decode_e2m1,
     dequantize,
+    nvfp4_from_modelopt,
     Tiling,
     pick_tiling,
     quant_matmul,
@@ -44,13 +45,40 @@ def test_all_sixteen_e2m1_codes():
     assert decode_e2m1(jnp.arange(16, dtype=jnp.uint8)).tolist() == want
 
 
-def test_nvfp4_layout_low_nibble_is_the_even_column():
-    # Row 0: columns (0, 1) hold codes (1, 7) = (0.5, 6.0); every scale 1.0; global scale 2.
+def test_nvfp4_modelopt_bytes_keep_the_even_column_in_the_low_nibble():
+    # Row 0: columns (0, 1) hold codes (1, 7) = (0.5, 6.0), column 3 code 11 = -1.5; every scale 1.0; global scale 2.
     packed = np.zeros((1, 16), np.uint8)
-    packed[0, 0] = 1 | (7 << 4)
-    w = QuantizedWeight(jnp.asarray(packed), jnp.ones((1, 2), jnp.float8_e4m3fn), jnp.asarray(2.0, jnp.float32),
-                        "nvfp4")
-    assert dequantize(w)[0, :3].tolist() == [1.0, 12.0, 0.0]
+    packed[0, :2] = 1 | (7 << 4), 11 << 4
+    w = QuantizedWeight(jnp.asarray(nvfp4_from_modelopt(packed)), jnp.ones((1, 2), jnp.float8_e4m3fn),
+                        jnp.asarray(2.0, jnp.float32), "nvfp4")
+    assert dequantize(w)[0, :5].tolist() == [1.0, 12.0, 0.0, -3.0, 0.0]
+
+
+def test_nvfp4_bytes_round_trip_every_code_pair():
+    """Every ModelOpt byte (256 code pairs) survives the trip into the kernels' layout and back, and
+    the two layouts are different byte orders of the same codes (no two bytes collide)."""
+    from pallas_kernels.quant_matmul import nvfp4_to_modelopt, unpack_e2m1
+
+    every = np.arange(256, dtype=np.uint8)
+    ours = nvfp4_from_modelopt(every)
+    assert len(set(ours.tolist())) == 256
+    np.testing.assert_array_equal(nvfp4_to_modelopt(ours), every)
+    even, odd = unpack_e2m1(jnp.asarray(ours))
+    np.testing.assert_array_equal(np.asarray(even), every & 15)
+    np.testing.assert_array_equal(np.asarray(odd), every >> 4)
+
+
+def test_nvfp4_even_column_reads_as_e5m2_and_the_odd_one_mirrored():
+    """The layout's point: byte & 0x8E is the even column's value times 2^-14 as e5m2, and the
+    bit-reversed byte & 0x8E the odd column's, for all 16 codes in each."""
+    from pallas_kernels.quant_matmul import E2M1_SHRINK, E5M2_E2M1_MASK, pack_e2m1
+
+    codes = np.arange(16, dtype=np.uint8)
+    want = np.asarray(decode_e2m1(jnp.asarray(codes)))
+    as_e5m2 = lambda b: np.asarray(b, np.uint8).view(ml_dtypes.float8_e5m2).astype(np.float32) * E2M1_SHRINK
+    mirrored = lambda b: np.array([int(f"{v:08b}"[::-1], 2) for v in b], np.uint8)
+    np.testing.assert_array_equal(as_e5m2(np.asarray(pack_e2m1(codes, 15 - codes)) & E5M2_E2M1_MASK), want)
+    np.testing.assert_array_equal(as_e5m2(mirrored(np.asarray(pack_e2m1(15 - codes, codes))) & E5M2_E2M1_MASK), want)
 
 
 def test_fp8_block_scales_apply_per_128_block():
@@ -95,6 +123,21 @@ def test_split_k_partial_sums_add_up(fmt, tiling):
     assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 4
 
 
+def test_nvfp4_scales_loaded_word_by_word_give_the_broadcast_ones_product():
+    """Above SHARED_SCALES_MAX_WARPS warps each weight word loads its group's scale itself; the
+    product is the same, bit for bit, and matches the reference."""
+    from pallas_kernels.quant_matmul import SHARED_SCALES_MAX_WARPS
+
+    rng = np.random.default_rng(9)
+    w = quantize(rng.normal(size=(32, 1024)).astype(np.float32) * rng.uniform(0.1, 10, size=(32, 64)).repeat(16, 1),
+                 "nvfp4")  # scales that differ group to group
+    x = jnp.asarray(rng.normal(size=(1, 1024)), jnp.bfloat16)
+    broadcast, gathered = (quant_matmul_pallas(x, w, tiling=Tiling(16, 512, 1, warps, gemv=True, packed_halves=True),
+                                               interpret=True) for warps in (SHARED_SCALES_MAX_WARPS, 16))
+    np.testing.assert_array_equal(np.asarray(gathered, np.float32), np.asarray(broadcast, np.float32))
+    assert rel(gathered, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 4
+
+
 def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
     x = jnp.zeros((1, K), jnp.bfloat16)
     w = quantize(np.ones((N, K), np.float32), "fp8_block")
@@ -131,8 +174,10 @@ def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_dee
     nvfp4 = ONE_ROW_TILINGS["nvfp4"]
     assert one_row(16 * (FEW_PROGRAMS - 1)) == dataclasses.replace(nvfp4, num_warps=8)
     assert one_row(16 * FEW_PROGRAMS) == nvfp4 and nvfp4.num_warps == 4
-    for fmt in FORMATS:  # 27B down: unsplit, 1024-wide steps, 16 warps (whole rounds make it even)
-        assert one_row(5120, 17408, fmt) == dataclasses.replace(ONE_ROW_TILINGS[fmt], block_k=1024, num_warps=16)
+    for fmt in FORMATS:  # 27B down: unsplit, 1024-wide steps, 16 warps (whole rounds make it even); fp8 blocks 32 rows
+        rows = 32 if fmt == "fp8_block" else 16
+        assert one_row(5120, 17408, fmt) == dataclasses.replace(ONE_ROW_TILINGS[fmt], block_n=rows, block_k=1024,
+                                                                num_warps=16)
     int8 = dataclasses.replace(ONE_ROW_TILINGS["int8"], num_warps=8)
     assert one_row(5120, 17408 + 512, "int8") == dataclasses.replace(int8, split_k=2)  # 1024 and 2 x 512 do not divide K, 2 x 256 does
     assert one_row(5120, 17408 + 256, "int8") == int8  # neither does: unsplit
@@ -152,6 +197,7 @@ def test_rounds_give_the_rows_left_after_whole_rounds_to_smaller_programs():
     deep = Tiling(16, 1024, 1, 16, gemv=True, packed_halves=True, rounds=132)  # 27B down, 256-word steps
     assert deep.row_blocks(5120, 256) == (264, 112, 8)
     assert deep.row_blocks(5120, 64) == (320, 0, 0)  # 8 rows of 64 words: under a word pair a thread
+    assert dataclasses.replace(deep, block_n=32).row_blocks(5120, 256) == (132, 112, 8)  # fp8 blocks' deep tile
     up = jax.eval_shape(lambda: quantize(jnp.ones((17408, 5120)), "nvfp4"))
     assert pick_tiling(jnp.zeros((1, 5120), jnp.bfloat16), up, rounds=132).rounds == 132
     assert pick_tiling(jnp.zeros((2, 5120), jnp.bfloat16), up, rounds=132).rounds == 0  # the dot path
@@ -276,7 +322,7 @@ def test_fp8_dtype_is_e4m3fn():
 def run_ptx(asm: str, inputs: dict[int, int]) -> dict[str, int]:
     """A tiny interpreter for the PTX the GPU decodes and packed-half products use, so their bit
     recipes and lane orders are checked on the CPU. Registers hold bit patterns: integer ops (xor,
-    and, or, shl, shr, prmt), mov (also packing and unpacking {lo, hi} halves), float32 sub / add /
+    and, or, shl, shr, brev, prmt), mov (also packing and unpacking {lo, hi} halves), float32 sub / add /
     fma, f16x2 sub / add / mul / fma (each lane rounded once), f16 add, and the cvts to f16x2 and f32."""
     regs = {f"${n}": v for n, v in inputs.items()}
     value = lambda t: regs[t] if t in regs else int(t[2:], 16) if t.startswith("0f") else int(t, 0)
@@ -302,6 +348,7 @@ def run_ptx(asm: str, inputs: dict[int, int]) -> dict[str, int]:
 
     ops = {"xor": lambda a, b: a ^ b, "and": lambda a, b: a & b, "or": lambda a, b: a | b,
            "shl": lambda a, b: a << b & 0xFFFFFFFF, "shr": lambda a, b: a >> b, "prmt": prmt,
+           "brev": lambda a: int(f"{a:032b}"[::-1], 2),
            "sub.f32": lambda a, b: u32(f32(a) - f32(b)), "add.f32": lambda a, b: u32(f32(a) + f32(b)),
            "fma.f32": lambda a, b, c: u32(f32(a) * f32(b) + f32(c)),
            "sub.f16x2": lambda a, b: packed(lanes(a) - lanes(b)), "add.f16x2": lambda a, b: packed(lanes(a) + lanes(b)),
@@ -338,7 +385,7 @@ def test_packed_half_ptx_adds_what_the_cpu_form_adds(fmt):
 
     rng = np.random.default_rng(5)
     n_x = 4 if fmt == "nvfp4" else 2
-    max_weight = {"int8": 128, "fp8": 448, "fp8_block": 448, "nvfp4": 6 / 64}[fmt]
+    max_weight = {"int8": 128, "fp8": 448, "fp8_block": 448, "nvfp4": 6 / 2**14}[fmt]
     for _ in range(100):
         words = rng.integers(0, 2**32, 2, dtype=np.uint64).astype(np.uint32)
         if fmt.startswith("fp8"):
@@ -367,11 +414,12 @@ def test_int8_ptx_turns_every_byte_into_its_float():
         np.testing.assert_array_equal(got, want)
 
 
-def test_e2m1_ptx_transcodes_every_code_to_e4m3_times_2_to_the_minus_6():
-    from pallas_kernels.quant_matmul import _E2M1_TO_E4M3_PTX, E2M1_IN_E4M3, decode_e2m1
+def test_e2m1_ptx_reads_every_code_pair_as_e5m2_times_2_to_the_minus_14():
+    """The many-row kernels' decode: four bytes a word, the even columns then the odd ones."""
+    from pallas_kernels.quant_matmul import _E2M1_TO_E5M2_PTX, E2M1_SHRINK, unpack_e2m1
 
-    packed = np.arange(256, dtype=np.uint8)  # every byte: low nibble the even column, high the odd
-    for asm, codes in zip(_E2M1_TO_E4M3_PTX, (packed & 15, packed >> 4)):
-        out = np.array([run_ptx(asm, {1: int(w)})["$0"] for w in packed.view(np.uint32)], np.uint32)
-        got = out.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * E2M1_IN_E4M3
-        np.testing.assert_array_equal(got, np.asarray(decode_e2m1(jnp.asarray(codes))))
+    data = nvfp4_from_modelopt(np.arange(256, dtype=np.uint8))
+    for asm, codes in zip(_E2M1_TO_E5M2_PTX, unpack_e2m1(jnp.asarray(data))):
+        out = np.array([run_ptx(asm, {1: int(w)})["$0"] for w in data.view(np.uint32)], np.uint32)
+        got = out.view(ml_dtypes.float8_e5m2).astype(np.float32) * E2M1_SHRINK
+        np.testing.assert_array_equal(got, np.asarray(decode_e2m1(codes)))

@@ -9,6 +9,7 @@ model's. Relative logit error ||l_q - l|| / ||l|| measured here: FP8 0.024 (seed
 """
 
 import fnmatch
+import functools
 import json
 import shutil
 
@@ -252,3 +253,35 @@ def test_modelopt_legacy_hf_quant_config_alone_is_read(source, tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     model, _ = load_model(d)
     assert model.layers[0].linear_attn.in_proj_z.format == "nvfp4"
+
+
+@pytest.mark.parametrize("quantized", [("nvfp4", 1)], ids=["nvfp4"], indirect=True)
+def test_a_conversion_holding_modelopt_nibbles_restores_the_same(quantized, quantized_llm, tmp_path):
+    """Directories converted before NVFP4 codes took the kernels' bit layout hold ModelOpt's nibbles
+    and no `nvfp4_bits` in their marker: they restore to the same model. Unknown bit positions are
+    refused by name."""
+    import orbax.checkpoint as ocp
+
+    from pallas_kernels.quant_matmul import nvfp4_to_modelopt
+
+    out = tmp_path / "c"
+    assert main(["convert", "--model", str(quantized[0]), "--output", str(out), "--dtype", "float32"]) == 0
+    marker = json.loads((out / "spec_jax.json").read_text())
+    del marker["nvfp4_bits"]
+    params = ocp.StandardCheckpointer().restore((out / "params").absolute())
+    for path, f in marker["quantized"].items():
+        if f == "nvfp4":
+            leaf = functools.reduce(lambda d, k: d[k], path.split("."), params)
+            leaf["weight"] = nvfp4_to_modelopt(leaf["weight"])
+    shutil.rmtree(out / "params")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((out / "params").absolute(), params)
+    checkpointer.wait_until_finished()
+    (out / "spec_jax.json").write_text(json.dumps(marker))
+    ids = [5, 7, 11, 2]
+    np.testing.assert_array_equal(LLM(model=str(out), dtype="float32", max_model_len=64).logits(ids),
+                                  quantized_llm.logits(ids))
+    marker["nvfp4_bits"] = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    (out / "spec_jax.json").write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=r"NVFP4 bit positions \[\[0, 1, 2, 3\]"):
+        load_model(out, "float32")
