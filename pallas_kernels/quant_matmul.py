@@ -334,10 +334,11 @@ _FP8_HALF_PTX = (_HALF_REGS + "mov.b32 {l0, l1}, $2; mov.b32 {l2, l3}, $3;\n" + 
 # odd columns (5, 1), and reversed and shifted, (7, 3) (E2M1_BITS). They meet activation arrays A
 # (values 0, 4), B (2, 6), C (7, 3), D (5, 1) in one chain of eight fma.f16x2; its two lanes are added
 # in f16, and the sum times $12, the group's scale, goes to the accumulator.
+_F16_PAIR_MASK = f"{E5M2_E2M1_MASK * 0x01000100:#x}"  # one code's bits in each f16 lane
 _NVFP4_HALF_PTX = _HALF_REGS + "\n".join(
-    f"shl.b32 t, {w}, 8; and.b32 h{4 * i}, t, M; and.b32 h{4 * i + 1}, {w}, M; brev.b32 u, {w}; "
-    f"shl.b32 t, u, 8; and.b32 h{4 * i + 2}, t, M; and.b32 h{4 * i + 3}, u, M;"
-    for i, w in enumerate(("$2", "$3"))).replace("M", f"{E5M2_E2M1_MASK * 0x01000100:#x}") + """
+    f"shl.b32 t, {w}, 8; and.b32 h{4 * i}, t, {_F16_PAIR_MASK}; and.b32 h{4 * i + 1}, {w}, {_F16_PAIR_MASK}; "
+    f"brev.b32 u, {w}; shl.b32 t, u, 8; and.b32 h{4 * i + 2}, t, {_F16_PAIR_MASK}; and.b32 h{4 * i + 3}, u, {_F16_PAIR_MASK};"
+    for i, w in enumerate(("$2", "$3"))) + """
 mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p; fma.rn.f16x2 p, h2, $8, p; fma.rn.f16x2 p, h3, $10, p;
 fma.rn.f16x2 p, h4, $5, p; fma.rn.f16x2 p, h5, $7, p; fma.rn.f16x2 p, h6, $9, p; fma.rn.f16x2 p, h7, $11, p;
 mov.b32 {a, b}, p; add.rn.f16 a, a, b; cvt.f32.f16 fa, a;
