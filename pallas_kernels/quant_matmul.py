@@ -210,8 +210,9 @@ def _e4m3_to_f16_pairs_ptx(n: int) -> str:
 # Four bytes' even columns, then their odd ones, as e5m2 bytes (times 2^-14): the odd columns' bits are
 # the even ones' mirrored, so the word is bit-reversed and its bytes put back in order first. Two
 # blocks: Pallas lowers an inline-asm call with one result only.
-_E2M1_TO_E5M2_PTX = (f"and.b32 $0, $1, {E5M2_E2M1_MASK * 0x01010101:#x};",
-                     f"{{\n.reg .b32 t;\nbrev.b32 t, $1; prmt.b32 t, t, 0, 0x0123; and.b32 $0, t, {E5M2_E2M1_MASK * 0x01010101:#x};\n}}")
+_BYTES_MASK = f"{E5M2_E2M1_MASK * 0x01010101:#x}"  # one code's bits in each byte
+_E2M1_TO_E5M2_PTX = (f"and.b32 $0, $1, {_BYTES_MASK};",
+                     f"{{\n.reg .b32 t;\nbrev.b32 t, $1; prmt.b32 t, t, 0, 0x0123; and.b32 $0, t, {_BYTES_MASK};\n}}")
 
 
 def _int8_to_float(w: jax.Array, ptx: bool) -> jax.Array:
@@ -649,8 +650,8 @@ HALF_MIN_BYTES = 32 << 20
 #   - packed halves run 8 warps each;
 #   - under half that many, with a big weight (HALF_MIN_BYTES), 1024-wide steps and 16 warps, unsplit
 #     (the SM rounds above even them out: 264 programs of 16 rows and 112 of 8; fp8 blocks take
-#     DEEP_ROWS, 132 of 32 and 112 of 8); where 1024 does not
-#     divide K, K split 2 ways with 512-wide steps, else with the format's own, else neither.
+#     DEEP_ROWS, 132 of 32 and 112 of 8); where 1024 does not divide K, K split 2 ways with
+#     512-wide steps, else with the format's own, else neither.
 # H200, [5120, 17408], GPU time with the row kernel (whole row 2.3-2.5 us; split ranges 1.8-2.0) and any
 # partial sums' addition (1.0-1.2 us), session 8 runs 12-13: int8 26.3-26.6 us against 26.7-27.1 split 2,
 # fp8 26.3-26.6 (26.3-26.8), fp8 blocks 26.9-27.4 (27.8-28.3), NVFP4 18.3-18.4 (19.7-20.1). At 0.8B

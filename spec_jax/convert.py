@@ -28,6 +28,7 @@ from spec_jax.checkpoint import CheckpointError, load_config, load_model, read_j
 from spec_jax.checkpoint_quant import quantize_projections, quantized_linears
 
 MARKER = "spec_jax.json"
+NVFP4_BITS = [list(b) for b in E2M1_BITS]  # the NVFP4 byte layout as the marker records it
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -54,7 +55,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat
     copy_side_files(src, out, cfg)
     quantized = {".".join(map(str, path)): fmt for path, fmt in quantized_linears(model).items()}
     marker = {"format": "orbax", "dtype": dtype, "source": str(src), "mtp": cfg.mtp_num_hidden_layers > 0,
-              "quantized": quantized, "nvfp4_bits": [list(b) for b in E2M1_BITS]}
+              "quantized": quantized, "nvfp4_bits": NVFP4_BITS}
     (out / MARKER).write_text(json.dumps(marker, indent=2))
     return out
 
@@ -119,11 +120,11 @@ def nvfp4_bytes_as_saved(params: dict, formats: dict[tuple, str], marker: dict, 
     """Bring restored NVFP4 codes into today's byte layout (quant_matmul.E2M1_BITS), in place.
     Directories converted before the marker named it hold ModelOpt's nibbles (the even column low)."""
     saved = marker.get("nvfp4_bits")
-    if saved == [list(b) for b in E2M1_BITS] or "nvfp4" not in formats.values():
+    if saved == NVFP4_BITS or "nvfp4" not in formats.values():
         return
     if saved is not None:
         raise CheckpointError(f"{model_dir / MARKER} names NVFP4 bit positions {saved}; this version reads "
-                              f"{[list(b) for b in E2M1_BITS]} or ModelOpt's nibbles: convert the model again")
+                              f"{NVFP4_BITS} or ModelOpt's nibbles: convert the model again")
     for path, fmt in formats.items():
         if fmt == "nvfp4":
             leaf = functools.reduce(lambda d, k: d[k], path, params)
