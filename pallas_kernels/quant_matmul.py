@@ -624,7 +624,10 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# Tilings measured on the H200 (BENCHMARKS.md). One activation row of a 27B MLP matrix [17408,
+# Tilings measured on the H200 (BENCHMARKS.md). Figures below up to session 9 were timed call after
+# call on one weight, so NVFP4's 50 MB matrices partly came from L2 (cold, as in a decode step: 16.2
+# against 13.0 us kernel at [17408, 5120]); timed cold (session 10 runs 11-12) the choices held, each
+# fastest or within 0.4 us of the fastest tried. One activation row of a 27B MLP matrix [17408,
 # 5120] (decode at batch 1): per format the fastest, K unsplit so no partial sums to add (short, wide
 # weights differ: FEW_PROGRAMS below); the packed halves of int8 and fp8 take 64 weight words a step, 4
 # stages deep (25.7-26.1 against 25.9-26.3 us; 128 words: 33.4-35.9 us with 4 warps, 25.1-27.4 with 8).
