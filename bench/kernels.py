@@ -136,10 +136,13 @@ def cold_device_us(fn, xs: list, ws: list) -> tuple[float, dict]:
     return us / len(ws), {name: round(t / len(ws), 2) for name, t in kernels.items()}
 
 
-def cold_copies(w: jax.Array, nbytes: int, make, most: int = 8) -> list:
-    """make(w'), for w and shifted copies of it, enough that the copies after one hold COLD_BYTES,
-    but at most `most` (one jitted call runs them all; a weight under COLD_BYTES / 7 stays partly warm)."""
-    return [make(jnp.roll(w, i, axis=1)) for i in range(min(most, 1 + -(-COLD_BYTES // nbytes)))]
+COLD_MOST = 8  # copies at most: one jitted call runs them all; a weight under COLD_BYTES / 7 stays partly warm
+
+
+def cold_copies(w: jax.Array, nbytes: int, make) -> list:
+    """make(w'), for w and shifted copies of it, enough that the copies after one hold COLD_BYTES
+    (at most COLD_MOST)."""
+    return [make(jnp.roll(w, i, axis=1)) for i in range(min(COLD_MOST, 1 + -(-COLD_BYTES // nbytes)))]
 
 
 def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
@@ -158,7 +161,7 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
     rows = []
     for M in rows_tried:
         x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
-        xs = [jnp.roll(x, i, axis=1) for i in range(max(len(w_bf16), len(w_fp8)))]
+        xs = [jnp.roll(x, i, axis=1) for i in range(COLD_MOST)]  # a row for each copy (zip takes what it needs)
         bf16_us, fp8_us = cold_device_us(bf16_dot, xs, w_bf16)[0], cold_device_us(fp8_dot, xs, w_fp8)[0]
         rows.append({"op": "xla_dot", "M": M, "bf16_device_us": bf16_us, "fp8xfp8_device_us": fp8_us,
                      "bf16_loop_us": matmul_time_us(lambda x: bf16_dot(x, w_bf16[0]), x),
@@ -166,7 +169,7 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
         print(json.dumps(rows[-1]), flush=True)
         for fmt in formats:
             qws = cold_copies(w, N * K // (2 if fmt == "nvfp4" else 1), lambda w: quantize(w, fmt))
-            qw, xs = qws[0], [jnp.roll(x, i, axis=1) for i in range(len(qws))]
+            qw = qws[0]
             wbytes = sum(a.nbytes for a in (qw.data, qw.scale))
             want = quant_matmul_reference(x.astype(jnp.float32), qw)
             best, tried = None, {}
