@@ -25,7 +25,9 @@ import numpy as np
 
 from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
-from pallas_kernels.quant_matmul import FORMATS, Tiling, quant_matmul, quant_matmul_pallas, quant_matmul_reference, quantize
+from pallas_kernels.nvfp4_gemv_mosaic import nvfp4_gemv_mosaic, pick_mosaic_tiling
+from pallas_kernels.quant_matmul import (FORMATS, Tiling, has_tma, quant_matmul, quant_matmul_pallas, quant_matmul_reference,
+                                         quantize)
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 
@@ -201,7 +203,31 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
                             tried=tried)
                 rows.append(best)
             print(json.dumps(rows[-1]), flush=True)
+            if fmt == "nvfp4" and M == 1 and has_tma(jax.devices()[0]):
+                rows.append(mosaic_case(xs, qws, wbytes, ceiling, bf16_us))
+                print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def mosaic_case(xs, qws, wbytes, ceiling, bf16_us) -> dict:
+    """The Mosaic GPU NVFP4 GEMV (its dispatcher tiling) on one row: its error against
+    dequantize-then-dot on a N(0, 1) row, the same row times 3e4 and 1e-5, and with its first half
+    10^4 smaller (every output finite), and its GPU time with cold weights."""
+    N, K = qws[0].shape
+    tiling = pick_mosaic_tiling(N, K, jax.devices()[0].core_count)
+    if tiling is None:
+        return {"op": "nvfp4_gemv_mosaic", "shape": [N, K], "tiling": None}
+    f = jax.jit(lambda x, q: nvfp4_gemv_mosaic(x, q.data, q.scale, q.global_scale, tiling=tiling))
+    x, errors = xs[0], {}
+    for name, row in (("normal", x), ("x3e4", x * 3e4), ("x1e-5", x * 1e-5), ("halves", x.at[:, : K // 2].multiply(1e-4))):
+        row = row.astype(jnp.bfloat16)
+        got = f(row, qws[0])
+        errors[name] = max_rel_error(got, quant_matmul_reference(row.astype(jnp.float32), qws[0]))
+        if not bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))):
+            errors[name] = float("inf")
+    us, kernels = cold_device_us(f, xs, qws)
+    return {"op": "nvfp4_gemv_mosaic", "shape": [N, K], "tiling": dataclasses.astuple(tiling), "rel_err": errors,
+            "device_us": us, "of_ceiling": wbytes / us / 1e3 / ceiling, "vs_bf16": bf16_us / us, "kernels": kernels}
 
 
 def fla_run(q, k, v, g, beta, s0):

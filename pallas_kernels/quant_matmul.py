@@ -9,8 +9,9 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
               bits placed as E2M1_BITS says: not ModelOpt's nibbles, see `nvfp4_from_modelopt`),
               scale float8_e4m3fn [N, K/16] (one per 16 values), global_scale float32 [].
 
-`quant_matmul` is the dispatcher: the Pallas (Triton) kernel on a GPU, dequantize-then-dot
-elsewhere. The kernel runs one program per block of BN output channels (and per K range when K
+`quant_matmul` is the dispatcher: a Pallas kernel on a GPU (one bf16 row of NVFP4 on Hopper: the
+Mosaic GPU kernel of nvfp4_gemv_mosaic.py; the rest this module's Triton kernel), dequantize-then-dot
+elsewhere. The Triton kernel runs one program per block of BN output channels (and per K range when K
 is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
 float32. A single activation row (decode at batch 1) is contracted by packed f16 pairs in their own
 kernels (below); more rows by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). On
@@ -624,20 +625,23 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# Tilings measured on the H200 (BENCHMARKS.md). Figures below up to session 9 were timed call after
-# call on one weight, so NVFP4's 50 MB matrices partly came from L2 (cold, as in a decode step: 16.2
-# against 13.0 us kernel at [17408, 5120]); timed cold (session 10 runs 11-12) the choices held, each
-# fastest or within 0.4 us of the fastest tried. One activation row of a 27B MLP matrix [17408,
-# 5120] (decode at batch 1): per format the fastest, K unsplit so no partial sums to add (short, wide
-# weights differ: FEW_PROGRAMS below); the packed halves of int8 and fp8 take 64 weight words a step, 4
-# stages deep (25.7-26.1 against 25.9-26.3 us; 128 words: 33.4-35.9 us with 4 warps, 25.1-27.4 with 8).
-# int8 and fp8 take the packed halves only from HALF_MIN_BYTES of weight: below that their row
-# kernel's launch (1.0-1.5 us) outweighs what they save (a 0.8B projection of 3.7 MB: 3.1 against
-# 2.8 us; 89 MB: 26 against 27.7 us). NVFP4 takes them at every size (3.5 against 5.5 us).
-# On the GPU the dispatcher sets `rounds` to the SM count: 1088 programs on 132 SMs left 32 SMs a ninth,
-# which set the time; 1056 programs in 8 whole rounds plus 128 of 4 rows are 0.5-1.4 us faster (session 8
-# run 7: int8 25.5 against 26.1-26.4 us, fp8 25.4-25.6 against 26.1-26.2, fp8 blocks 25.7 against
-# 26.9-27.2, NVFP4 16.3-16.4 against 17.1-17.2).
+# Tilings measured on the H200 (BENCHMARKS.md). One bf16 row of NVFP4 on a GPU with TMA runs
+# nvfp4_gemv_mosaic.py's kernel where its tiling fits (faster at every shape measured, session 11);
+# there the NVFP4 one-row tilings below serve the shapes it does not fit. Figures below up to
+# session 9 were timed call after call on one weight, so NVFP4's 50 MB matrices partly came from L2
+# (cold, as in a decode step: 16.2 against 13.0 us kernel at [17408, 5120]); timed cold (session 10
+# runs 11-12) the choices held, each fastest or within 0.4 us of the fastest tried. One activation
+# row of a 27B MLP matrix [17408, 5120] (decode at batch 1): per format the fastest, K unsplit so no
+# partial sums to add (short, wide weights differ: FEW_PROGRAMS below); the packed halves of int8
+# and fp8 take 64 weight words a step, 4 stages deep (25.7-26.1 against 25.9-26.3 us; 128 words:
+# 33.4-35.9 us with 4 warps, 25.1-27.4 with 8). int8 and fp8 take the packed halves only from
+# HALF_MIN_BYTES of weight: below that their row kernel's launch (1.0-1.5 us) outweighs what they
+# save (a 0.8B projection of 3.7 MB: 3.1 against 2.8 us; 89 MB: 26 against 27.7 us). NVFP4 takes
+# them at every size (3.5 against 5.5 us). On the GPU the dispatcher sets `rounds` to the SM count:
+# 1088 programs on 132 SMs left 32 SMs a ninth, which set the time; 1056 programs in 8 whole rounds
+# plus 128 of 4 rows are 0.5-1.4 us faster (session 8 run 7: int8 25.5 against 26.1-26.4 us, fp8
+# 25.4-25.6 against 26.1-26.2, fp8 blocks 25.7 against 26.9-27.2, NVFP4 16.3-16.4 against
+# 17.1-17.2).
 # 2 to 64 rows: one tiling per format, a compromise (at 8 rows int8's best was (32, 256, 2) at 32.5
 # against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at 69 against 75).
 ONE_ROW_TILINGS = {
@@ -697,12 +701,26 @@ def pick_tiling(x: jax.Array, w: QuantizedWeight, rounds: int = 0) -> Tiling | N
     return dataclasses.replace(tiling, rounds=rounds) if tiling and tiling.packed_halves else tiling
 
 
+def has_tma(device) -> bool:
+    """Whether a GPU has Hopper's TMA unit (CUDA compute capability 9.0 or later)."""
+    return float(getattr(device, "compute_capability", 0) or 0) >= 9.0
+
+
 def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """Dispatcher: x [..., K] -> [..., N]. The Pallas kernel on a GPU for up to 64 rows, the
-    dequantize-then-dot reference otherwise."""
+    """Dispatcher: x [..., K] -> [..., N]. On a GPU for up to 64 rows a Pallas kernel: one bf16 row of
+    an NVFP4 weight on a GPU with TMA takes Mosaic GPU's `nvfp4_gemv_mosaic` where its measured tiling
+    fits, everything else the Triton kernel; the dequantize-then-dot reference elsewhere."""
     flat = x.reshape(-1, x.shape[-1])
     gpu = jax.default_backend() == "gpu"
-    tiling = pick_tiling(flat, w, rounds=getattr(jax.devices()[0], "core_count", 0) if gpu else 0)
+    device = jax.devices()[0]
+    if gpu and flat.shape[0] == 1 and w.format == "nvfp4" and flat.dtype == jnp.bfloat16 and has_tma(device):
+        from pallas_kernels.nvfp4_gemv_mosaic import nvfp4_gemv_mosaic, pick_mosaic_tiling  # it imports this module
+
+        mosaic = pick_mosaic_tiling(*w.shape, device.core_count)
+        if mosaic is not None:
+            y = nvfp4_gemv_mosaic(flat, w.data, w.scale, w.global_scale, tiling=mosaic)
+            return y.reshape(*x.shape[:-1], w.shape[0])
+    tiling = pick_tiling(flat, w, rounds=getattr(device, "core_count", 0) if gpu else 0)
     if gpu and tiling is not None:
         return quant_matmul_pallas(flat, w, tiling=tiling).reshape(*x.shape[:-1], w.shape[0])
     return quant_matmul_reference(x, w)
