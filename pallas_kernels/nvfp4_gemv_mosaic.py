@@ -133,7 +133,8 @@ class MosaicTiling:
         return self.bn * self.groups // 4
 
     def fits(self, N: int, K: int) -> bool:
-        return N % self.bn == 0 and K % self.block_k == 0 and 4 % self.groups == 0 and self.rows_a_thread >= 1
+        divides = N % self.bn == 0 and K % self.block_k == 0 and 4 % self.groups == 0 and self.rows_a_thread >= 1
+        return divides and K <= 256 * 512  # the row is one TMA box of [K / 512, 256] words
 
     def thread_rows(self, warp) -> list:
         """The rows (i32) a thread of `warp` owns, one a register of its accumulator."""
@@ -219,7 +220,8 @@ def nvfp4_gemv_mosaic(x: jax.Array, data: jax.Array, scale: jax.Array, global_sc
         raise ValueError(f"nvfp4_gemv_mosaic takes one bf16 row [1, {K}] for a [{N}, {K}] weight, "
                          f"got {x.dtype} {x.shape}")
     if not t.fits(N, K):
-        raise ValueError(f"{t} does not fit an NVFP4 weight [{N}, {K}]: N must divide by bn, K by {t.block_k}")
+        raise ValueError(f"{t} does not fit an NVFP4 weight [{N}, {K}]: N must divide by bn, K by {t.block_k} "
+                         f"and stay within {256 * 512}")
     words = jax.lax.bitcast_convert_type(data.reshape(N, K // 8, 4), jnp.int32)
     scale_bytes = jax.lax.bitcast_convert_type(scale, jnp.uint8)
     acc_shape = (t.bn * t.groups, 32)

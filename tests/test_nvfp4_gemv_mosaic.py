@@ -39,6 +39,7 @@ def test_refuses_a_weight_its_tiling_does_not_divide(N, K):
     (1024, 3584, MosaicTiling(8, 1, 4)),     # 0.8B MLP down: under one 16-row CTA an SM
     (17408, 5376, None),                     # K not a multiple of 512: the Triton kernel
     (5120, 17920, None),                     # long rows not a multiple of 1024
+    (64, 256 * 512 + 1024, None),            # a row past one TMA box
 ])
 def test_dispatcher_picks_the_measured_tiling(N, K, want):
     assert pick_mosaic_tiling(N, K, sm_count=132) == want
