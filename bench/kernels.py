@@ -152,7 +152,8 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
     two ways: its GPU time per call from a profiler trace with cold weights (`cold_device_us`;
     kernels only: what a GEMV streams at) and the mean of a jitted loop on one weight (which adds the
     loop's own overhead, 5-11 µs on the H200, and keeps what fits of the weight in L2). The
-    dispatcher `quant_matmul` is timed too (its tiling, with the SM rounds of a one-row GEMV)."""
+    dispatcher `quant_matmul` is timed too (its tiling, with the SM rounds of a one-row GEMV), and
+    one NVFP4 row on a GPU with TMA also runs the Mosaic GPU kernel alone (`mosaic_case`)."""
     N, K = shape
     w = jnp.asarray(rng.normal(size=(N, K)) * K ** -0.5, jnp.float32)
     w_bf16 = cold_copies(w, N * K * 2, lambda w: w.astype(jnp.bfloat16))
