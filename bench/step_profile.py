@@ -6,6 +6,7 @@ a per-category view, then per batch the kernel families whose time grew most fro
 each verify.
 
     python -m bench.step_profile --geometry 0.8b --batch 1 8 --k 3 --calls 20 --out prof.json
+    python -m bench.step_profile --geometry 0.8b --batch 1 --quantization nvfp4   # quantized projections
 
 (`python -m` from the repository root, or PYTHONPATH=. with `python bench/step_profile.py`:
 `bench` is not an installed package.)
@@ -44,6 +45,7 @@ from jax.profiler import ProfileData
 from bench.plain_decode import GEOMETRIES, RolledLayers, layer_scan
 from bench.verify_cost import build_model, make_forward, timed
 from models.qwen3_5 import init_cache
+from pallas_kernels.quant_matmul import FORMATS
 
 TOP = 25
 NAME_WIDTH = 90
@@ -82,6 +84,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=384, help="tokens already in the cache")
     ap.add_argument("--cache-len", type=int, default=512)
     ap.add_argument("--rolled-layers", action=RolledLayers)
+    ap.add_argument("--quantization", choices=FORMATS, default=None, help="weight-only format of the projections")
     ap.add_argument("--out", default=None, help="write the full results (every kernel) here as JSON")
     return ap.parse_args()
 
@@ -296,9 +299,10 @@ def print_diff(decode: dict, verify: dict, families: list[dict], categories: lis
 
 def main() -> None:
     args = parse_args()
-    cfg, gdef, params = build_model(args.geometry)
+    cfg, gdef, params = build_model(args.geometry, args.quantization)
     forward = make_forward(gdef, args.cache_len)
-    print(f"{args.geometry} on {jax.devices()[0].device_kind}; {args.calls} calls per pass", flush=True)
+    print(f"{args.geometry} ({args.quantization or 'bf16'} projections) on {jax.devices()[0].device_kind}; "
+          f"{args.calls} calls per pass", flush=True)
     runs, diffs = [], []
     for B in args.batch:
         cache = init_cache(cfg, B, args.cache_len, jnp.bfloat16)
@@ -317,7 +321,8 @@ def main() -> None:
             diffs.append({"batch": B, "pass": verify["pass"], "families": families, "categories": categories})
         runs += batch_runs
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"geometry": args.geometry, "calls": args.calls,
+        pathlib.Path(args.out).write_text(json.dumps({"geometry": args.geometry, "quantization": args.quantization,
+                                                      "calls": args.calls,
                                                       "device": jax.devices()[0].device_kind,
                                                       "runs": runs, "diffs": diffs}, indent=1))
         print(f"\nwrote {args.out}")
