@@ -42,6 +42,9 @@ WORDS_A_GROUP = GROUP // 8  # e2m1 weight words (8 values each) a group
 PAIRS_A_GROUP = 2 * len(X_PAIR_VALUES["nvfp4"])  # activation pair words a group: 4 arrays x 2 weight words
 _E4M3_TO_F32_PTX = ("{\n.reg .b16 l;\n.reg .b32 h;\n.reg .f16 a, b;\n"
                     "cvt.u16.u32 l, $1; cvt.rn.f16x2.e4m3x2 h, l; mov.b32 {a, b}, h; cvt.f32.f16 $0, a;\n}")
+# quant_matmul's NVFP4 PTX: two results (Triton packs two words a call), the words, the activation pairs,
+# the scale and the accumulator twice each
+_PRODUCTS_CONSTRAINTS = ",".join(["=f,=f"] + ["r"] * (2 + PAIRS_A_GROUP) + ["f"] * 4)
 
 
 # ----------------------------------------------------------------------------- MLIR helpers
@@ -174,8 +177,7 @@ def _step_products(t: MosaicTiling, codes, scales, x_step, acc):
         [scale] = _asm([f32], _E4M3_TO_F32_PTX, "=f,r", [scale_byte])
         scale = arith.mulf(scale, unscale)  # the group's 2^-shift
         old = _element(acc.registers[r], 0)
-        constraints = ",".join(["=f,=f"] + ["r"] * (2 + PAIRS_A_GROUP) + ["f"] * 4)
-        new, _ = _asm([f32, f32], _NVFP4_HALF_PTX, constraints,
+        new, _ = _asm([f32, f32], _NVFP4_HALF_PTX, _PRODUCTS_CONSTRAINTS,
                       [_element(words, 0), _element(words, 1), *x_words, scale, scale, old, old])
         registers[r] = vector.from_elements(ir.VectorType.get((1,), f32), [new])
     return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
