@@ -25,9 +25,9 @@ import numpy as np
 
 from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
-from pallas_kernels.nvfp4_gemv_mosaic import nvfp4_gemv_mosaic, pick_mosaic_tiling
-from pallas_kernels.quant_matmul import (FORMATS, Tiling, has_tma, quant_matmul, quant_matmul_pallas, quant_matmul_reference,
-                                         quantize)
+from pallas_kernels.nvfp4_mma_mosaic import MAX_ROWS as MOSAIC_MAX_ROWS
+from pallas_kernels.quant_matmul import (FORMATS, MOSAIC_GEMV_ROWS, Tiling, nvfp4_mosaic_matmul, has_tma, quant_matmul,
+                                         quant_matmul_pallas, quant_matmul_reference, quantize)
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 
@@ -153,7 +153,7 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
     kernels only: what a GEMV streams at) and the mean of a jitted loop on one weight (which adds the
     loop's own overhead, 5-11 µs on the H200, and keeps what fits of the weight in L2). The
     dispatcher `quant_matmul` is timed too (its tiling, with the SM rounds of a one-row GEMV), and
-    one NVFP4 row on a GPU with TMA also runs the Mosaic GPU kernel alone (`mosaic_case`)."""
+    NVFP4 rows (up to 8) on a GPU with TMA also run the dispatcher's Mosaic GPU kernel alone (`mosaic_case`)."""
     N, K = shape
     w = jnp.asarray(rng.normal(size=(N, K)) * K ** -0.5, jnp.float32)
     w_bf16 = cold_copies(w, N * K * 2, lambda w: w.astype(jnp.bfloat16))
@@ -204,31 +204,32 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
                             tried=tried)
                 rows.append(best)
             print(json.dumps(rows[-1]), flush=True)
-            if fmt == "nvfp4" and M == 1 and has_tma(jax.devices()[0]):
+            if fmt == "nvfp4" and M <= MOSAIC_MAX_ROWS and has_tma(jax.devices()[0]):
                 rows.append(mosaic_case(xs, qws, wbytes, ceiling, bf16_us))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def mosaic_case(xs, qws, wbytes, ceiling, bf16_us) -> dict:
-    """The Mosaic GPU NVFP4 GEMV (its dispatcher tiling) on one row: its error against
-    dequantize-then-dot on a N(0, 1) row, the same row times 3e4 and 1e-5, and with its first half
-    10^4 smaller (every output finite), and its GPU time with cold weights."""
-    N, K = qws[0].shape
-    tiling = pick_mosaic_tiling(N, K, jax.devices()[0].core_count)
-    if tiling is None:
-        return {"op": "nvfp4_gemv_mosaic", "shape": [N, K], "tiling": None}
-    f = jax.jit(lambda x, q: nvfp4_gemv_mosaic(x, q.data, q.scale, q.global_scale, tiling=tiling))
+    """The dispatcher's Mosaic GPU NVFP4 kernel for these rows (the f16x2 GEMV up to MOSAIC_GEMV_ROWS,
+    the tensor-core one above) with its tiling: its error against dequantize-then-dot on N(0, 1) rows,
+    the same rows times 3e4 and 1e-5, and with their first halves 10^4 smaller (every output finite),
+    and its GPU time with cold weights."""
+    (M, K), sm_count = xs[0].shape, jax.devices()[0].core_count
+    op = "nvfp4_gemv_mosaic" if M <= MOSAIC_GEMV_ROWS else "nvfp4_mma_mosaic"
+    if nvfp4_mosaic_matmul(xs[0], qws[0], sm_count) is None:
+        return {"op": op, "M": M, "shape": list(qws[0].shape), "tiling": None}
+    f = jax.jit(lambda x, q: nvfp4_mosaic_matmul(x, q, sm_count))
     x, errors = xs[0], {}
-    for name, row in (("normal", x), ("x3e4", x * 3e4), ("x1e-5", x * 1e-5), ("halves", x.at[:, : K // 2].multiply(1e-4))):
-        row = row.astype(jnp.bfloat16)
-        got = f(row, qws[0])
-        errors[name] = max_rel_error(got, quant_matmul_reference(row.astype(jnp.float32), qws[0]))
+    for name, rows in (("normal", x), ("x3e4", x * 3e4), ("x1e-5", x * 1e-5), ("halves", x.at[:, : K // 2].multiply(1e-4))):
+        rows = rows.astype(jnp.bfloat16)
+        got = f(rows, qws[0])
+        errors[name] = max_rel_error(got, quant_matmul_reference(rows.astype(jnp.float32), qws[0]))
         if not bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))):
             errors[name] = float("inf")
     us, kernels = cold_device_us(f, xs, qws)
-    return {"op": "nvfp4_gemv_mosaic", "shape": [N, K], "tiling": dataclasses.astuple(tiling), "rel_err": errors,
-            "device_us": us, "of_ceiling": wbytes / us / 1e3 / ceiling, "vs_bf16": bf16_us / us, "kernels": kernels}
+    return {"op": op, "M": M, "shape": list(qws[0].shape), "rel_err": errors, "device_us": us,
+            "of_ceiling": wbytes / us / 1e3 / ceiling, "vs_bf16": bf16_us / us, "kernels": kernels}
 
 
 def fla_run(q, k, v, g, beta, s0):

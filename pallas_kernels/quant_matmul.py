@@ -9,9 +9,9 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
               bits placed as E2M1_BITS says: not ModelOpt's nibbles, see `nvfp4_from_modelopt`),
               scale float8_e4m3fn [N, K/16] (one per 16 values), global_scale float32 [].
 
-`quant_matmul` is the dispatcher: a Pallas kernel on a GPU (one bf16 row of NVFP4 on Hopper: the
-Mosaic GPU kernel of nvfp4_gemv_mosaic.py; the rest this module's Triton kernel), dequantize-then-dot
-elsewhere. The Triton kernel runs one program per block of BN output channels (and per K range when K
+`quant_matmul` is the dispatcher: a Pallas kernel on a GPU (1-8 bf16 rows of NVFP4 on Hopper: the
+Mosaic GPU kernels of nvfp4_gemv_mosaic.py and nvfp4_mma_mosaic.py; the rest this module's Triton
+kernel), dequantize-then-dot elsewhere. The Triton kernel runs one program per block of BN output channels (and per K range when K
 is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
 float32. A single activation row (decode at batch 1) is contracted by packed f16 pairs in their own
 kernels (below); more rows by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). On
@@ -337,15 +337,29 @@ _FP8_HALF_PTX = (_HALF_REGS + "mov.b32 {l0, l1}, $2; mov.b32 {l2, l3}, $3;\n" + 
 # (values 0, 4), B (2, 6), C (7, 3), D (5, 1) in one chain of eight fma.f16x2; its two lanes are added
 # in f16, and the sum times $12, the group's scale, goes to the accumulator.
 _F16_PAIR_MASK = f"{E5M2_E2M1_MASK * 0x01000100:#x}"  # one code's bits in each f16 lane
-_NVFP4_HALF_PTX = _HALF_REGS + "\n".join(
-    f"shl.b32 t, {w}, 8; and.b32 h{4 * i}, t, {_F16_PAIR_MASK}; and.b32 h{4 * i + 1}, {w}, {_F16_PAIR_MASK}; "
-    f"brev.b32 u, {w}; shl.b32 t, u, 8; and.b32 h{4 * i + 2}, t, {_F16_PAIR_MASK}; and.b32 h{4 * i + 3}, u, {_F16_PAIR_MASK};"
-    for i, w in enumerate(("$2", "$3"))) + """
-mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p; fma.rn.f16x2 p, h2, $8, p; fma.rn.f16x2 p, h3, $10, p;
-fma.rn.f16x2 p, h4, $5, p; fma.rn.f16x2 p, h5, $7, p; fma.rn.f16x2 p, h6, $9, p; fma.rn.f16x2 p, h7, $11, p;
-mov.b32 {a, b}, p; add.rn.f16 a, a, b; cvt.f32.f16 fa, a;
-fma.rn.f32 $0, fa, $12, $14; mov.b32 $1, $15;
-}"""
+
+
+def nvfp4_decode_ptx(words: tuple[str, str], halves: list[str]) -> str:
+    """PTX decoding a group's two e2m1 words (operands `words`) into its eight f16 pairs `halves`
+    (h0..h7: word 0's pairs (0, 4), (2, 6), (7, 3), (5, 1), then word 1's); scratch registers t, u."""
+    return "\n".join(
+        f"shl.b32 t, {w}, 8; and.b32 {halves[4 * i]}, t, {_F16_PAIR_MASK}; and.b32 {halves[4 * i + 1]}, {w}, {_F16_PAIR_MASK}; "
+        f"brev.b32 u, {w}; shl.b32 t, u, 8; and.b32 {halves[4 * i + 2]}, t, {_F16_PAIR_MASK}; "
+        f"and.b32 {halves[4 * i + 3]}, u, {_F16_PAIR_MASK};"
+        for i, w in enumerate(words))
+
+
+def nvfp4_sum_ptx(halves: list[str], pairs: list[str]) -> str:
+    """PTX of one group's sum into f16 `a`: the eight fma.f16x2 of `halves` (nvfp4_decode_ptx's order)
+    with the activation pair words `pairs` (A0 A1 B0 B1 C0 C1 D0 D1), its two lanes added; scratch p, b."""
+    chain = [f"fma.rn.f16x2 p, {h}, {pairs[2 * (i % 4) + i // 4]}, p;" for i, h in enumerate(halves)]
+    chain[0] = f"mul.f16x2 p, {halves[0]}, {pairs[0]};"
+    return " ".join(chain[:4]) + "\n" + " ".join(chain[4:]) + "\nmov.b32 {a, b}, p; add.rn.f16 a, a, b;"
+
+
+_NVFP4_HALF_PTX = (_HALF_REGS + nvfp4_decode_ptx(("$2", "$3"), [f"h{i}" for i in range(8)]) + "\n"
+                   + nvfp4_sum_ptx([f"h{i}" for i in range(8)], [f"${i}" for i in range(4, 12)])
+                   + " cvt.f32.f16 fa, a;\nfma.rn.f32 $0, fa, $12, $14; mov.b32 $1, $15;\n}")
 _HALF_PTX = {"int8": _INT8_HALF_PTX, "fp8": _FP8_HALF_PTX, "fp8_block": _FP8_HALF_PTX, "nvfp4": _NVFP4_HALF_PTX}
 def half_word_sums(fmt: str, words: jax.Array, x_pairs: list[jax.Array], scale: jax.Array) -> jax.Array:
     """What the PTX adds for each weight word, in float32 arithmetic (the CPU's form): words int32
@@ -625,9 +639,9 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# Tilings measured on the H200 (BENCHMARKS.md). One bf16 row of NVFP4 on a GPU with TMA runs
-# nvfp4_gemv_mosaic.py's kernel where its tiling fits (faster at every shape measured, session 11);
-# there the NVFP4 one-row tilings below serve the shapes it does not fit. Figures below up to
+# Tilings measured on the H200 (BENCHMARKS.md). 1-8 bf16 rows of NVFP4 on a GPU with TMA run a Mosaic
+# GPU kernel where its tiling fits (`nvfp4_mosaic_matmul`; faster at every shape measured, sessions
+# 11-12); there the NVFP4 tilings below serve the shapes they do not fit. Figures below up to
 # session 9 were timed call after call on one weight, so NVFP4's 50 MB matrices partly came from L2
 # (cold, as in a decode step: 16.2 against 13.0 us kernel at [17408, 5120]); timed cold (session 10
 # runs 11-12) the choices held, each fastest or within 0.4 us of the fastest tried. One activation
@@ -706,19 +720,41 @@ def has_tma(device) -> bool:
     return float(getattr(device, "compute_capability", 0) or 0) >= 9.0
 
 
+# Up to this many bf16 rows of NVFP4, Mosaic GPU's f16x2 kernel (nvfp4_gemv_mosaic.py); more, up to its
+# MAX_ROWS, the tensor-core kernel (nvfp4_mma_mosaic.py). H200, cold weights, session 12 run 3, f16x2
+# against tensor cores at [17408, 5120] / [5120, 17408] / [3584, 1024] / [1024, 3584]: 2 rows 22.4 /
+# 23.6 / 2.7 / 3.7 us against 23.4 / 31.3 / 3.2 / 4.6; 3 rows 28.0 / 29.1 / 3.3 / 4.3 against 23.7 / 32.2
+# / 3.2 / 4.6 (mixed; an MLP has two up-shaped projections to one down); 4 rows 34.0 / 35.2 / 3.7 / 5.0
+# against 24.1 / 33.3 / 3.2 / 4.8.
+MOSAIC_GEMV_ROWS = 2
+
+
+def nvfp4_mosaic_matmul(x: jax.Array, w: QuantizedWeight, sm_count: int) -> jax.Array | None:
+    """x [M, K] bf16 times an NVFP4 weight through a Mosaic GPU kernel, or None where neither has a
+    measured tiling for the shape and rows (then the Triton kernel runs)."""
+    from pallas_kernels import nvfp4_gemv_mosaic, nvfp4_mma_mosaic  # they import this module
+
+    args = (x, w.data, w.scale, w.global_scale)
+    if x.shape[0] <= MOSAIC_GEMV_ROWS:
+        tiling = nvfp4_gemv_mosaic.pick_mosaic_tiling(*w.shape, sm_count)
+        return None if tiling is None else nvfp4_gemv_mosaic.nvfp4_gemv_mosaic(*args, tiling=tiling)
+    tiling = nvfp4_mma_mosaic.pick_mma_tiling(*w.shape, sm_count)
+    if tiling is None or x.shape[0] > nvfp4_mma_mosaic.MAX_ROWS:
+        return None
+    return nvfp4_mma_mosaic.nvfp4_mma_mosaic(*args, tiling=tiling)
+
+
 def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """Dispatcher: x [..., K] -> [..., N]. On a GPU for up to 64 rows a Pallas kernel: one bf16 row of
-    an NVFP4 weight on a GPU with TMA takes Mosaic GPU's `nvfp4_gemv_mosaic` where its measured tiling
-    fits, everything else the Triton kernel; the dequantize-then-dot reference elsewhere."""
+    """Dispatcher: x [..., K] -> [..., N]. On a GPU for up to 64 rows a Pallas kernel: bf16 rows of an
+    NVFP4 weight on a GPU with TMA take a Mosaic GPU kernel where one has a measured tiling (one or two
+    rows the f16x2 GEMV, up to 8 the tensor-core one), everything else the Triton kernel; the
+    dequantize-then-dot reference elsewhere."""
     flat = x.reshape(-1, x.shape[-1])
     gpu = jax.default_backend() == "gpu"
     device = jax.devices()[0]
-    if gpu and flat.shape[0] == 1 and w.format == "nvfp4" and flat.dtype == jnp.bfloat16 and has_tma(device):
-        from pallas_kernels.nvfp4_gemv_mosaic import nvfp4_gemv_mosaic, pick_mosaic_tiling  # it imports this module
-
-        mosaic = pick_mosaic_tiling(*w.shape, device.core_count)
-        if mosaic is not None:
-            y = nvfp4_gemv_mosaic(flat, w.data, w.scale, w.global_scale, tiling=mosaic)
+    if gpu and w.format == "nvfp4" and flat.dtype == jnp.bfloat16 and has_tma(device):
+        y = nvfp4_mosaic_matmul(flat, w, device.core_count)
+        if y is not None:
             return y.reshape(*x.shape[:-1], w.shape[0])
     tiling = pick_tiling(flat, w, rounds=getattr(device, "core_count", 0) if gpu else 0)
     if gpu and tiling is not None:

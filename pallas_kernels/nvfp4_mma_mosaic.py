@@ -1,0 +1,181 @@
+"""NVFP4 x [M, K] W^T for 2-8 activation rows on Hopper: tensor-core products, Pallas Mosaic GPU.
+
+nvfp4_gemv_mosaic.py multiplies each decoded weight pair with each activation row in f16x2 FMAs, so
+its time grows by about a third of a one-row call for every row (H200, cold weights, [17408, 5120]:
+16.6 us at 1 row, 22.4 at 2, 34 at 4, 60 at 8). Here the decoded weights go through
+`mma.sync.m16n8k16` (f16 in, f32 sums): the tensor cores take the rows, and a call costs nearly the
+same at any M (23.4 us at 2 rows, 24.1 at 4, 27.7 at 8; Triton's many-rows kernel 46.5). At one or
+two rows the f16x2 kernel is faster (23 against 17 us at one), so the dispatcher sends it 3-8 rows.
+
+The weights stream through a TMA ring (`plgpu.emit_pipeline`) as in nvfp4_gemv_mosaic.py, with the
+step's activations. One CTA (4 warps) per bn = 8 x n_tiles weight rows; the warps split each K
+step: warp w, chunk c take values [(4c + w) 128, +128). Lane (g, t) (g = lane // 4, t = lane % 4)
+owns 4 weight words (32 values at +32t) of rows 8j + g of each n-tile j, and the same 32 values of
+activation row g (row M - 1 where g >= M: its results are dropped). For each word:
+  - the decode is quant_matmul's NVFP4 PTX (`nvfp4_decode_ptx`): four f16 pairs, values (0, 4),
+    (2, 6), (7, 3), (5, 1), each times 2^-14;
+  - the group's e4m3 scale multiplies them in f16 (`_SCALE_PAIR_PTX`; every product of an e2m1
+    value, an e4m3 scale and 2^-14 is an f16 with no rounding);
+  - two MMAs take them as the B operand's k pairs t and t + 4 (column g), against the activation
+    pairs of the same values as the A operand's (row g). The k order inside an MMA is free, so it
+    is the decode's.
+The activations are scaled by a power of two per quad and chunk (`_x_pairs`: the quad's largest
+|x| into [2^14, 2^15), as nvfp4_gemv_mosaic.py does per group), so small rows keep their bits in
+f16; each chunk's sums are scaled back as they are added to float32 accumulators. After the K loop
+the warps' partial sums meet in shared memory (`_store_rows`).
+Mosaic GPU has no CPU interpreter for inline PTX: on the CPU the tests check that it lowers;
+bench/kernels.py checks its numbers on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, memref, scf, vector
+
+from pallas_kernels.nvfp4_gemv_mosaic import (_asm, _c, _element, _i32, _index, _lane_and_warp, _scaled_pairs, _x_tops,
+                                              streamed_nvfp4_kernel)
+from pallas_kernels.quant_matmul import E2M1_SHRINK, nvfp4_decode_ptx
+
+MAX_ROWS = 8  # activation rows a call: the MMA's rows 0-7 (its rows 8-15 multiply zeros)
+WARPS = 4
+CHUNK = 128  # values of a K step a warp takes at a time: 4 lanes x 4 words x 8
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+# One weight word of a lane: $0-$3 = $10-$13 + two MMAs. $4 the word, $5 its group scale as an f16 pair,
+# $6-$9 the activation pairs of the word's values (0, 4), (2, 6), (7, 3), (5, 1). A's fragment is
+# (row g, k pair t), (row g + 8, t), (g, t + 4), (g + 8, t + 4); B's is k pairs t, t + 4 of column g.
+_WORD_PTX = ("{\n.reg .b32 t, u, z, h<4>;\nmov.b32 z, 0;\n" + nvfp4_decode_ptx(("$4",), [f"h{i}" for i in range(4)]) + "\n"
+             + " ".join(f"mul.f16x2 h{i}, h{i}, $5;" for i in range(4)) + "\n"
+             + f"{_MMA} {{$0,$1,$2,$3}}, {{$6,z,$7,z}}, {{h0,h1}}, {{$10,$11,$12,$13}};\n"
+             + f"{_MMA} {{$0,$1,$2,$3}}, {{$8,z,$9,z}}, {{h2,h3}}, {{$0,$1,$2,$3}};\n}}")
+_WORD_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 6 + ["f"] * 4)
+# An e4m3 byte -> the f16 pair (scale, scale): the byte twice, then one conversion.
+_SCALE_PAIR_PTX = "{\n.reg .b32 r;\n.reg .b16 l;\nmul.lo.u32 r, $1, 257; cvt.u16.u32 l, r; cvt.rn.f16x2.e4m3x2 $0, l;\n}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaTiling:
+    """bn = 8 n_tiles weight rows a CTA; each K step takes `chunks` x 512 values (each warp one CHUNK
+    of each 512); `stages` steps in flight."""
+
+    bn: int = 32
+    chunks: int = 1
+    stages: int = 3
+
+    @property
+    def block_k(self) -> int:
+        return self.chunks * WARPS * CHUNK
+
+    @property
+    def n_tiles(self) -> int:
+        return self.bn // 8
+
+    def fits(self, N: int, K: int) -> bool:
+        return self.bn % 8 == 0 and N % self.bn == 0 and K % self.block_k == 0
+
+
+def pick_mma_tiling(N: int, K: int, sm_count: int) -> MmaTiling | None:
+    """The measured tiling for an NVFP4 weight [N, K] on a GPU of `sm_count` SMs, or None where it does
+    not fit. H200, cold weights, GPU time at 2 / 3 / 4 / 8 rows (session 12 run 3, BENCHMARKS.md):
+      - 32 rows a CTA, 3 stages: [17408, 5120] 23.4 / 23.7 / 24.1 / 27.7 us (4 stages 24.2 / 24.5 /
+        26.2 / 28.7; run 2 at 4 / 8 rows: 64 rows 24.3 / 34.4, 16 rows 28.2 / 36.8); [3584, 1024]
+        3.2 / 3.2 / 3.2 / 3.3 (16 rows 3.4 / 3.6 and 8 rows 4.0 / 4.2 at 4 / 8, run 2);
+      - rows of 8192 values or more take 1024 a step: [5120, 17408] 31.3 / 32.2 / 33.3 / 35.2 (16 rows
+        29.7 / 31.0 / 32.5 but 53.7 at 8; 512 a step 38.4 / 42.9 at 4 / 8, run 2);
+      - 8 rows a CTA where that makes at most one CTA an SM: [1024, 3584] 4.6 / 4.6 / 4.8 / 5.1 (16 rows
+        4.9 / 5.0 / 5.0 / 5.3)."""
+    if N // 8 <= sm_count:
+        t = MmaTiling(8, 1, 4)
+    else:
+        t = MmaTiling(32, 2 if K >= 8192 else 1, 3)
+    return t if t.fits(N, K) else None
+
+
+def _x_pairs(x_step, M: int, chunk: int, warp, g, t) -> tuple[list, ir.Value]:
+    """Lane (g, t)'s activation row (min(g, M - 1)) at its 32 values of `chunk` from x_step [M, chunks,
+    256] i32 (SMEM, bf16 pairs) -> (per weight word its four f16 pairs, 2^-shift). The shift is the
+    quad's: its four lanes' values meet in one MMA row, so they share one power of two."""
+    row = _index(arith.minui(g, _c(M - 1)))
+    first = arith.addi(arith.muli(warp, _c(CHUNK // 2)), arith.muli(t, _c(16)))
+    words = []
+    for q in range(4):
+        v = vector.load(ir.VectorType.get((4,), _i32()), x_step, [row, _index(_c(chunk)), _index(arith.addi(first, _c(4 * q)))])
+        words += [_element(v, i) for i in range(4)]
+    tops = _x_tops(words)
+    for distance in (1, 2):
+        [tops] = _asm([_i32()], "max.u16x2 $0, $1, $2;", "=r,r,r", [tops, mgpu_utils.shfl_bfly(tops, distance)])
+    return _scaled_pairs(words, tops)
+
+
+def _lane_parts():
+    lane, warp = _lane_and_warp()
+    return arith.shrui(lane, _c(2)), arith.andi(lane, _c(3)), warp
+
+
+def _step_products(t: MmaTiling, rows: int, codes, scales, x_step, acc):
+    """acc [8 n_tiles, 32] f32 (registers 2j, 2j + 1 of lane (g, t): activation row g, weight rows
+    8j + 2t and 8j + 2t + 1) plus one K step's products: codes [bn, block_k/8] i32, scales [bn,
+    block_k/16] i8 (e4m3), x_step [rows, chunks, 256] i32, all SMEM."""
+    g, lane_t, warp = _lane_parts()
+    f32 = ir.F32Type.get()
+    registers = list(acc.registers.flat)
+    for chunk in range(t.chunks):
+        x_pairs, unscale = _x_pairs(x_step, rows, chunk, warp, g, lane_t)
+        word = arith.addi(arith.muli(arith.addi(_c(WARPS * chunk), warp), _c(CHUNK // 8)), arith.muli(lane_t, _c(4)))
+        for j in range(t.n_tiles):
+            row = _index(arith.addi(_c(8 * j), g))
+            words = vector.load(ir.VectorType.get((4,), _i32()), codes, [row, _index(word)])
+            scale_bytes = vector.load(ir.VectorType.get((2,), ir.IntegerType.get_signless(8)), scales,
+                                      [row, _index(arith.shrui(word, _c(1)))])
+            scale_pairs = [_asm([_i32()], _SCALE_PAIR_PTX, "=r,r", [arith.extui(_i32(), _element(scale_bytes, i))])[0]
+                           for i in range(2)]
+            sums = [arith.constant(f32, 0.0)] * 4
+            for k in range(4):  # the lane's words; two a group
+                sums = _asm([f32] * 4, _WORD_PTX, _WORD_CONSTRAINTS, [_element(words, k), scale_pairs[k // 2], *x_pairs[k], *sums])
+            for e in range(2):
+                new = arith.addf(_element(registers[2 * j + e], 0), arith.mulf(sums[e], unscale))
+                registers[2 * j + e] = vector.from_elements(ir.VectorType.get((1,), f32), [new])
+    registers = np.array(registers, dtype=object).reshape(acc.registers.shape)
+    return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
+
+
+def _store_rows(t: MmaTiling, rows: int, acc, out, global_scale, partials):
+    """out [rows, bn] (GMEM, x's dtype) = the warps' sums times the global scale x 2^14 (the decode's
+    2^-14 undone); they meet in partials [WARPS, 8, bn] f32 (SMEM)."""
+    f32 = ir.F32Type.get()
+    g, lane_t, warp = _lane_parts()
+    registers = list(acc.registers.flat)
+    for j in range(t.n_tiles):
+        for e in range(2):
+            column = arith.addi(_c(8 * j + e), arith.muli(lane_t, _c(2)))
+            memref.store(_element(registers[2 * j + e], 0), partials, [_index(warp), _index(g), _index(column)])
+    mgpu_utils.warpgroup_barrier()
+    factor = arith.mulf(memref.load(global_scale, [_index(_c(0))]), arith.constant(f32, E2M1_SHRINK))
+    out_type = ir.MemRefType(out.type).element_type
+    for i in range(-(-rows * t.bn // (WARPS * 32))):  # each thread one (row, output) a round
+        index = arith.addi(mgpu_utils.thread_idx(), _c(WARPS * 32 * i))
+        m, n = _index(arith.divui(index, _c(t.bn))), _index(arith.remui(index, _c(t.bn)))
+        inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, index, _c(rows * t.bn)))
+        with ir.InsertionPoint(inside.then_block):
+            total = memref.load(partials, [_index(_c(0)), m, n])
+            for w in range(1, WARPS):
+                total = arith.addf(total, memref.load(partials, [_index(_c(w)), m, n]))
+            memref.store(arith.truncf(out_type, arith.mulf(total, factor)), out, [m, n])
+            scf.yield_([])
+
+
+def nvfp4_mma_mosaic(x: jax.Array, data: jax.Array, scale: jax.Array, global_scale: jax.Array,
+                     tiling: MmaTiling = MmaTiling()) -> jax.Array:
+    """x [M, K] bf16 (M at most MAX_ROWS), data [N, K/2] uint8 (E2M1_BITS layout), scale [N, K/16]
+    float8_e4m3fn, global_scale [] float32 -> x W^T [M, N] bf16. `tiling.fits(N, K)` must hold (bn a
+    multiple of 8); a GPU with TMA (Hopper)."""
+    M, t = x.shape[0], tiling
+    return streamed_nvfp4_kernel(
+        "nvfp4_mma", x, data, scale, global_scale, tiling=t, max_rows=MAX_ROWS,
+        acc_shape=(8 * t.n_tiles, 32), partials_shape=(WARPS, 8, t.bn),  # acc: two registers a thread an n-tile
+        step_products=lambda *refs: _step_products(t, M, *refs), store_rows=lambda *refs: _store_rows(t, M, *refs))
