@@ -153,7 +153,7 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
     kernels only: what a GEMV streams at) and the mean of a jitted loop on one weight (which adds the
     loop's own overhead, 5-11 µs on the H200, and keeps what fits of the weight in L2). The
     dispatcher `quant_matmul` is timed too (its tiling, with the SM rounds of a one-row GEMV), and
-    NVFP4 rows (up to 8) on a GPU with TMA also run the dispatcher's Mosaic GPU kernel alone (`mosaic_case`)."""
+    NVFP4 rows (up to 16) on a GPU with TMA also run the dispatcher's Mosaic GPU kernel alone (`mosaic_case`)."""
     N, K = shape
     w = jnp.asarray(rng.normal(size=(N, K)) * K ** -0.5, jnp.float32)
     w_bf16 = cold_copies(w, N * K * 2, lambda w: w.astype(jnp.bfloat16))

@@ -1,11 +1,14 @@
-"""NVFP4 x [M, K] W^T for 2-8 activation rows on Hopper: tensor-core products, Pallas Mosaic GPU.
+"""NVFP4 x [M, K] W^T for 3-16 activation rows on Hopper: tensor-core products, Pallas Mosaic GPU.
 
 nvfp4_gemv_mosaic.py multiplies each decoded weight pair with each activation row in f16x2 FMAs, so
 its time grows by about a third of a one-row call for every row (H200, cold weights, [17408, 5120]:
 16.6 us at 1 row, 22.4 at 2, 34 at 4, 60 at 8). Here the decoded weights go through
 `mma.sync.m16n8k16` (f16 in, f32 sums): the tensor cores take the rows, and a call costs nearly the
 same at any M (23.4 us at 2 rows, 24.1 at 4, 27.7 at 8; Triton's many-rows kernel 46.5). At one or
-two rows the f16x2 kernel is faster (23 against 17 us at one), so the dispatcher sends it 3-8 rows.
+two rows the f16x2 kernel is faster (23 against 17 us at one), so the dispatcher sends it 3-16 rows.
+Up to 8 rows fill the MMA's rows 0-7; 9-16 fill rows 8-15 too, which doubles the activations' work
+(42.1 us at 12 rows, 47.9 at 16, level with Triton's 46.6-47.9 at this shape; at [1024, 3584] 6.5
+against 7.8-8.8).
 
 The weights stream through a TMA ring (`plgpu.emit_pipeline`) as in nvfp4_gemv_mosaic.py, with the
 step's activations. One CTA (4 warps) per bn = 8 x n_tiles weight rows; the warps split each K
@@ -42,18 +45,27 @@ from pallas_kernels.nvfp4_gemv_mosaic import (_asm, _c, _element, _i32, _index, 
                                               streamed_nvfp4_kernel)
 from pallas_kernels.quant_matmul import E2M1_SHRINK, nvfp4_decode_ptx
 
-MAX_ROWS = 8  # activation rows a call: the MMA's rows 0-7 (its rows 8-15 multiply zeros)
+MAX_ROWS = 16  # activation rows a call: the MMA's 16 (with 8 or fewer, its rows 8-15 multiply zeros)
 WARPS = 4
 CHUNK = 128  # values of a K step a warp takes at a time: 4 lanes x 4 words x 8
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-# One weight word of a lane: $0-$3 = $10-$13 + two MMAs. $4 the word, $5 its group scale as an f16 pair,
-# $6-$9 the activation pairs of the word's values (0, 4), (2, 6), (7, 3), (5, 1). A's fragment is
-# (row g, k pair t), (row g + 8, t), (g, t + 4), (g + 8, t + 4); B's is k pairs t, t + 4 of column g.
-_WORD_PTX = ("{\n.reg .b32 t, u, z, h<4>;\nmov.b32 z, 0;\n" + nvfp4_decode_ptx(("$4",), [f"h{i}" for i in range(4)]) + "\n"
-             + " ".join(f"mul.f16x2 h{i}, h{i}, $5;" for i in range(4)) + "\n"
-             + f"{_MMA} {{$0,$1,$2,$3}}, {{$6,z,$7,z}}, {{h0,h1}}, {{$10,$11,$12,$13}};\n"
-             + f"{_MMA} {{$0,$1,$2,$3}}, {{$8,z,$9,z}}, {{h2,h3}}, {{$0,$1,$2,$3}};\n}}")
-_WORD_CONSTRAINTS = ",".join(["=f"] * 4 + ["r"] * 6 + ["f"] * 4)
+
+
+def _word_ptx(halves: int) -> str:
+    """One weight word of a lane: $0-$3 = C + two MMAs. $4 the word, $5 its group scale as an f16 pair,
+    $6-$9 activation row g's pairs of the word's values (0, 4), (2, 6), (7, 3), (5, 1), then (with two
+    halves) row g + 8's, then C. A's fragment is (row g, k pair t), (row g + 8, t), (g, t + 4),
+    (g + 8, t + 4); B's is k pairs t, t + 4 of column g."""
+    rows = [[f"${6 + 4 * h + i}" for i in range(4)] for h in range(halves)] + [["z"] * 4] * (2 - halves)
+    c = ",".join(f"${6 + 4 * halves + i}" for i in range(4))
+    a = lambda i, j: f"{{{rows[0][i]},{rows[1][i]},{rows[0][j]},{rows[1][j]}}}"
+    return ("{\n.reg .b32 t, u, z, h<4>;\nmov.b32 z, 0;\n" + nvfp4_decode_ptx(("$4",), [f"h{i}" for i in range(4)]) + "\n"
+            + " ".join(f"mul.f16x2 h{i}, h{i}, $5;" for i in range(4)) + "\n"
+            + f"{_MMA} {{$0,$1,$2,$3}}, {a(0, 1)}, {{h0,h1}}, {{{c}}};\n"
+            + f"{_MMA} {{$0,$1,$2,$3}}, {a(2, 3)}, {{h2,h3}}, {{$0,$1,$2,$3}};\n}}")
+
+
+_WORD_PTX = {halves: (_word_ptx(halves), ",".join(["=f"] * 4 + ["r"] * (2 + 4 * halves) + ["f"] * 4)) for halves in (1, 2)}
 # An e4m3 byte -> the f16 pair (scale, scale): the byte twice, then one conversion.
 _SCALE_PAIR_PTX = "{\n.reg .b32 r;\n.reg .b16 l;\nmul.lo.u32 r, $1, 257; cvt.u16.u32 l, r; cvt.rn.f16x2.e4m3x2 $0, l;\n}"
 
@@ -88,7 +100,9 @@ def pick_mma_tiling(N: int, K: int, sm_count: int) -> MmaTiling | None:
       - rows of 8192 values or more take 1024 a step: [5120, 17408] 31.3 / 32.2 / 33.3 / 35.2 (16 rows
         29.7 / 31.0 / 32.5 but 53.7 at 8; 512 a step 38.4 / 42.9 at 4 / 8, run 2);
       - 8 rows a CTA where that makes at most one CTA an SM: [1024, 3584] 4.6 / 4.6 / 4.8 / 5.1 (16 rows
-        4.9 / 5.0 / 5.0 / 5.3)."""
+        4.9 / 5.0 / 5.0 / 5.3).
+    At 12 / 16 activation rows (run 6): [17408, 5120] 42.1 / 47.9 us (Triton 46.6 / 47.9), [5120, 17408]
+    53.1 / 54.0 (Triton 51.5 / 52.9), [1024, 3584] 6.5 / 6.6 (Triton 7.8 / 8.8)."""
     if N // 8 <= sm_count:
         t = MmaTiling(8, 1, 4)
     else:
@@ -96,11 +110,12 @@ def pick_mma_tiling(N: int, K: int, sm_count: int) -> MmaTiling | None:
     return t if t.fits(N, K) else None
 
 
-def _x_pairs(x_step, M: int, chunk: int, warp, g, t) -> tuple[list, ir.Value]:
-    """Lane (g, t)'s activation row (min(g, M - 1)) at its 32 values of `chunk` from x_step [M, chunks,
-    256] i32 (SMEM, bf16 pairs) -> (per weight word its four f16 pairs, 2^-shift). The shift is the
-    quad's: its four lanes' values meet in one MMA row, so they share one power of two."""
-    row = _index(arith.minui(g, _c(M - 1)))
+def _x_pairs(x_step, M: int, chunk: int, warp, g, t, half: int) -> tuple[list, ir.Value]:
+    """Lane (g, t)'s activation row of MMA row g + 8 half (min(g + 8 half, M - 1): rows past M are
+    dropped) at its 32 values of `chunk` from x_step [M, chunks, 256] i32 (SMEM, bf16 pairs) -> (per
+    weight word its four f16 pairs, 2^-shift). The shift is the quad's: its four lanes' values meet in
+    one MMA row, so they share one power of two."""
+    row = _index(arith.minui(arith.addi(g, _c(8 * half)), _c(M - 1)))
     first = arith.addi(arith.muli(warp, _c(CHUNK // 2)), arith.muli(t, _c(16)))
     words = []
     for q in range(4):
@@ -117,15 +132,22 @@ def _lane_parts():
     return arith.shrui(lane, _c(2)), arith.andi(lane, _c(3)), warp
 
 
+def _halves(rows: int) -> int:
+    """The MMA row blocks of 8 that hold activation rows."""
+    return 1 if rows <= 8 else 2
+
+
 def _step_products(t: MmaTiling, rows: int, codes, scales, x_step, acc):
-    """acc [8 n_tiles, 32] f32 (registers 2j, 2j + 1 of lane (g, t): activation row g, weight rows
-    8j + 2t and 8j + 2t + 1) plus one K step's products: codes [bn, block_k/8] i32, scales [bn,
-    block_k/16] i8 (e4m3), x_step [rows, chunks, 256] i32, all SMEM."""
+    """acc [8 n_tiles halves, 32] f32 (register 2 halves j + 2 h + e of lane (g, t): activation row
+    g + 8h, weight row 8j + 2t + e) plus one K step's products: codes [bn, block_k/8] i32, scales
+    [bn, block_k/16] i8 (e4m3), x_step [rows, chunks, 256] i32, all SMEM."""
     g, lane_t, warp = _lane_parts()
     f32 = ir.F32Type.get()
+    halves = _halves(rows)
+    ptx, constraints = _WORD_PTX[halves]
     registers = list(acc.registers.flat)
     for chunk in range(t.chunks):
-        x_pairs, unscale = _x_pairs(x_step, rows, chunk, warp, g, lane_t)
+        x_rows = [_x_pairs(x_step, rows, chunk, warp, g, lane_t, h) for h in range(halves)]
         word = arith.addi(arith.muli(arith.addi(_c(WARPS * chunk), warp), _c(CHUNK // 8)), arith.muli(lane_t, _c(4)))
         for j in range(t.n_tiles):
             row = _index(arith.addi(_c(8 * j), g))
@@ -136,24 +158,30 @@ def _step_products(t: MmaTiling, rows: int, codes, scales, x_step, acc):
                            for i in range(2)]
             sums = [arith.constant(f32, 0.0)] * 4
             for k in range(4):  # the lane's words; two a group
-                sums = _asm([f32] * 4, _WORD_PTX, _WORD_CONSTRAINTS, [_element(words, k), scale_pairs[k // 2], *x_pairs[k], *sums])
-            for e in range(2):
-                new = arith.addf(_element(registers[2 * j + e], 0), arith.mulf(sums[e], unscale))
-                registers[2 * j + e] = vector.from_elements(ir.VectorType.get((1,), f32), [new])
+                x_pairs = [pair for pairs, _ in x_rows for pair in pairs[k]]
+                sums = _asm([f32] * 4, ptx, constraints, [_element(words, k), scale_pairs[k // 2], *x_pairs, *sums])
+            for h, (_, unscale) in enumerate(x_rows):
+                for e in range(2):
+                    r = 2 * halves * j + 2 * h + e
+                    new = arith.addf(_element(registers[r], 0), arith.mulf(sums[2 * h + e], unscale))
+                    registers[r] = vector.from_elements(ir.VectorType.get((1,), f32), [new])
     registers = np.array(registers, dtype=object).reshape(acc.registers.shape)
     return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
 
 
 def _store_rows(t: MmaTiling, rows: int, acc, out, global_scale, partials):
     """out [rows, bn] (GMEM, x's dtype) = the warps' sums times the global scale x 2^14 (the decode's
-    2^-14 undone); they meet in partials [WARPS, 8, bn] f32 (SMEM)."""
+    2^-14 undone); they meet in partials [WARPS, 8 halves, bn] f32 (SMEM)."""
     f32 = ir.F32Type.get()
     g, lane_t, warp = _lane_parts()
+    halves = _halves(rows)
     registers = list(acc.registers.flat)
     for j in range(t.n_tiles):
-        for e in range(2):
-            column = arith.addi(_c(8 * j + e), arith.muli(lane_t, _c(2)))
-            memref.store(_element(registers[2 * j + e], 0), partials, [_index(warp), _index(g), _index(column)])
+        for h in range(halves):
+            for e in range(2):
+                column = arith.addi(_c(8 * j + e), arith.muli(lane_t, _c(2)))
+                memref.store(_element(registers[2 * halves * j + 2 * h + e], 0), partials,
+                             [_index(warp), _index(arith.addi(g, _c(8 * h))), _index(column)])
     mgpu_utils.warpgroup_barrier()
     factor = arith.mulf(memref.load(global_scale, [_index(_c(0))]), arith.constant(f32, E2M1_SHRINK))
     out_type = ir.MemRefType(out.type).element_type
@@ -175,7 +203,8 @@ def nvfp4_mma_mosaic(x: jax.Array, data: jax.Array, scale: jax.Array, global_sca
     float8_e4m3fn, global_scale [] float32 -> x W^T [M, N] bf16. `tiling.fits(N, K)` must hold (bn a
     multiple of 8); a GPU with TMA (Hopper)."""
     M, t = x.shape[0], tiling
+    rows_8 = 8 * _halves(M)  # MMA rows in use; the accumulator has two registers a thread for each 8 and n-tile
     return streamed_nvfp4_kernel(
         "nvfp4_mma", x, data, scale, global_scale, tiling=t, max_rows=MAX_ROWS,
-        acc_shape=(8 * t.n_tiles, 32), partials_shape=(WARPS, 8, t.bn),  # acc: two registers a thread an n-tile
+        acc_shape=(rows_8 * t.n_tiles, 32), partials_shape=(WARPS, rows_8, t.bn),
         step_products=lambda *refs: _step_products(t, M, *refs), store_rows=lambda *refs: _store_rows(t, M, *refs))

@@ -9,7 +9,7 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
               bits placed as E2M1_BITS says: not ModelOpt's nibbles, see `nvfp4_from_modelopt`),
               scale float8_e4m3fn [N, K/16] (one per 16 values), global_scale float32 [].
 
-`quant_matmul` is the dispatcher: a Pallas kernel on a GPU (1-8 bf16 rows of NVFP4 on Hopper: the
+`quant_matmul` is the dispatcher: a Pallas kernel on a GPU (1-16 bf16 rows of NVFP4 on Hopper: the
 Mosaic GPU kernels of nvfp4_gemv_mosaic.py and nvfp4_mma_mosaic.py; the rest this module's Triton
 kernel), dequantize-then-dot elsewhere. The Triton kernel runs one program per block of BN output channels (and per K range when K
 is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
@@ -639,7 +639,7 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# Tilings measured on the H200 (BENCHMARKS.md). 1-8 bf16 rows of NVFP4 on a GPU with TMA run a Mosaic
+# Tilings measured on the H200 (BENCHMARKS.md). 1-16 bf16 rows of NVFP4 on a GPU with TMA run a Mosaic
 # GPU kernel where its tiling fits (`nvfp4_mosaic_matmul`; faster at every shape measured, sessions
 # 11-12); there the NVFP4 tilings below serve the shapes they do not fit. Figures below up to
 # session 9 were timed call after call on one weight, so NVFP4's 50 MB matrices partly came from L2
@@ -747,7 +747,7 @@ def nvfp4_mosaic_matmul(x: jax.Array, w: QuantizedWeight, sm_count: int) -> jax.
 def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """Dispatcher: x [..., K] -> [..., N]. On a GPU for up to 64 rows a Pallas kernel: bf16 rows of an
     NVFP4 weight on a GPU with TMA take a Mosaic GPU kernel where one has a measured tiling (one or two
-    rows the f16x2 GEMV, up to 8 the tensor-core one), everything else the Triton kernel; the
+    rows the f16x2 GEMV, up to 16 the tensor-core one), everything else the Triton kernel; the
     dequantize-then-dot reference elsewhere."""
     flat = x.reshape(-1, x.shape[-1])
     gpu = jax.default_backend() == "gpu"
