@@ -104,7 +104,6 @@ def _asm(result_types: list, text: str, constraints: str, args: list) -> list:
 _GROUP_TOP_PTX = "{\n.reg .b32 m;\nand.b32 m, $1, 0x7FFF7FFF; max.u16x2 $0, $2, m;\n}"  # two bf16 |x| a word, apart
 
 
-
 def _x_tops(words: list) -> ir.Value:
     """The largest |x| of bf16 pair words (i32): its bf16 bits in one of the two u16 lanes of the result."""
     tops = _c(0)
