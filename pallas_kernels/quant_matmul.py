@@ -11,8 +11,8 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
 
 `quant_matmul` is the dispatcher: a Pallas kernel on a GPU (1-16 bf16 rows of NVFP4 on Hopper: the
 Mosaic GPU kernels of nvfp4_gemv_mosaic.py and nvfp4_mma_mosaic.py; the rest this module's Triton
-kernel), dequantize-then-dot elsewhere. The Triton kernel runs one program per block of BN output channels (and per K range when K
-is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
+kernel), dequantize-then-dot elsewhere. The Triton kernel runs one program per block of BN output
+channels (and per K range when K is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
 float32. A single activation row (decode at batch 1) is contracted by packed f16 pairs in their own
 kernels (below); more rows by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). On
 the GPU the int8 and e2m1 decodes are inline PTX bit tricks (int8 without the int-to-float
@@ -734,14 +734,13 @@ def nvfp4_mosaic_matmul(x: jax.Array, w: QuantizedWeight, sm_count: int) -> jax.
     measured tiling for the shape and rows (then the Triton kernel runs)."""
     from pallas_kernels import nvfp4_gemv_mosaic, nvfp4_mma_mosaic  # they import this module
 
-    args = (x, w.data, w.scale, w.global_scale)
     if x.shape[0] <= MOSAIC_GEMV_ROWS:
-        tiling = nvfp4_gemv_mosaic.pick_mosaic_tiling(*w.shape, sm_count)
-        return None if tiling is None else nvfp4_gemv_mosaic.nvfp4_gemv_mosaic(*args, tiling=tiling)
-    tiling = nvfp4_mma_mosaic.pick_mma_tiling(*w.shape, sm_count)
-    if tiling is None or x.shape[0] > nvfp4_mma_mosaic.MAX_ROWS:
+        kernel, tiling = nvfp4_gemv_mosaic.nvfp4_gemv_mosaic, nvfp4_gemv_mosaic.pick_mosaic_tiling(*w.shape, sm_count)
+    elif x.shape[0] <= nvfp4_mma_mosaic.MAX_ROWS:
+        kernel, tiling = nvfp4_mma_mosaic.nvfp4_mma_mosaic, nvfp4_mma_mosaic.pick_mma_tiling(*w.shape, sm_count)
+    else:
         return None
-    return nvfp4_mma_mosaic.nvfp4_mma_mosaic(*args, tiling=tiling)
+    return None if tiling is None else kernel(x, w.data, w.scale, w.global_scale, tiling=tiling)
 
 
 def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
