@@ -6,11 +6,12 @@ the tensor-core kernel, nvfp4_mma_mosaic.py). quant_matmul's Triton kernel keeps
 tiles in registers (Triton issues no asynchronous copies for them) and needs a row kernel launched
 first. Here the weight codes, group scales and the step's activations stream into shared memory
 through the Hopper TMA unit, `stages` K steps ahead (`plgpu.emit_pipeline`), and each CTA prepares its
-own activations. H200, cold weights (BENCHMARKS.md): a 27B MLP matrix [17408, 5120] in 16.6-16.9 us
-against 17.4 for Triton with its row kernel, [5120, 17408] in 16.6-16.8 against 18.8, 0.8B projections
-20-30% faster; two rows 22.4 and 23.6 us.
+own activations. H200, cold weights (BENCHMARKS.md): a 27B MLP matrix [17408, 5120] in 14.8 us
+against 17.4 for Triton with its row kernel, [5120, 17408] in 14.7 against 18.8, 0.8B projections
+20-30% faster; two rows 22.4 and 23.6 us (session 12, before the SM-balanced grids).
 
-One CTA (one warpgroup, 128 threads) per block of bn output rows:
+One CTA (one warpgroup, 128 threads) per box of bn output rows; a whole number of CTAs an SM, where
+neighbouring boxes may overlap (`sm_balanced`, `first_row`), so that every SM streams the same bytes:
   - each K step (`_step_products`) takes groups x 512 values of the bn rows. A lane owns one 16-value
     group of the step: for each activation row it scales the group's activations by a power of two
     (`_group_pairs`: the group's largest |x| into [2^14, 2^15), so no sum of 16 products leaves f16)
@@ -37,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
-from pallas_kernels.quant_matmul import (E2M1_SHRINK, FEW_PROGRAMS, GROUP, X_PAIR_VALUES, X_TOP_EXPONENT, nvfp4_decode_ptx,
+from pallas_kernels.quant_matmul import (E2M1_SHRINK, GROUP, X_PAIR_VALUES, X_TOP_EXPONENT, nvfp4_decode_ptx,
                                          nvfp4_sum_ptx)
 
 WORDS_A_GROUP = GROUP // 8  # e2m1 weight words (8 values each) a group
@@ -142,14 +143,29 @@ def _group_pairs(x_step, m: int, half, lane) -> tuple[list, ir.Value]:
     return [pairs[word][i] for i in range(len(X_PAIR_VALUES["nvfp4"])) for word in range(WORDS_A_GROUP)], unscale
 
 
+def rows_fit(N: int, bn: int, ctas: int) -> bool:
+    """Whether CTAs of bn weight rows cover N rows: N / bn CTAs of their own rows (ctas 0), or `ctas`
+    CTAs, CTA c at row min(c N // ctas, N - bn) (`first_row`), whose boxes may overlap."""
+    return N % bn == 0 if ctas == 0 else bn <= N <= bn * ctas
+
+
+def first_row(cta, N: int, bn: int, ctas: int):
+    """The first weight row of CTA `cta` (traced i32). With a multiple of the SM count as `ctas`, every
+    SM gets the same rows to stream however N divides; where two boxes overlap, both CTAs compute the
+    shared rows the same way and store the same values."""
+    return jnp.minimum(cta * N // ctas, N - bn) if ctas else cta * bn
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicTiling:
     """bn output rows a CTA; each K step takes `groups` x 512 values (lane l of warp w owns group
-    l + 32 (w % groups) of the step, in rows w // groups + (4 / groups) r); `stages` steps in flight."""
+    l + 32 (w % groups) of the step, in rows w // groups + (4 / groups) r); `stages` steps in flight;
+    `ctas` CTAs (0: N / bn, each its own rows)."""
 
     bn: int = 16
     groups: int = 1
     stages: int = 4
+    ctas: int = 0  # see `rows_fit`
 
     @property
     def block_k(self) -> int:
@@ -160,7 +176,7 @@ class MosaicTiling:
         return self.bn * self.groups // 4
 
     def fits(self, N: int, K: int) -> bool:
-        return N % self.bn == 0 and K % self.block_k == 0 and 4 % self.groups == 0 and self.rows_a_thread >= 1
+        return rows_fit(N, self.bn, self.ctas) and K % self.block_k == 0 and 4 % self.groups == 0 and self.rows_a_thread >= 1
 
     def thread_rows(self, warp) -> list:
         """The rows (i32) a thread of `warp` owns, one a register of its accumulator."""
@@ -168,19 +184,46 @@ class MosaicTiling:
         return [arith.addi(first, _c(4 // self.groups * r)) for r in range(self.rows_a_thread)]
 
 
+def sm_balanced(N: int, sm_count: int, rows: int, multiple: int) -> tuple[int, int] | None:
+    """(ctas, bn) for N weight rows: the multiple of sm_count CTAs nearest to N / rows, each bn rows
+    (N / ctas rounded up to a multiple of `multiple`; neighbours' boxes overlap by what that rounding
+    adds), or None where N is under half a CTA an SM. A whole number of CTAs an SM gives every SM the
+    same bytes to stream: with N / bn CTAs, 544 of 32 rows for N = 17408, 16 SMs held five CTAs and
+    the rest four, and took a fifth longer (session 13, ncu)."""
+    per_sm = round(N / (sm_count * rows))
+    if per_sm == 0:
+        return None
+    ctas = per_sm * sm_count
+    bn = -(-N // ctas)
+    return ctas, bn + -bn % multiple
+
+
+ROWS_A_THREAD = 10  # weight rows a thread of the f16x2 kernel, about: each activation group it scales serves them all
+
+
 def pick_mosaic_tiling(N: int, K: int, sm_count: int) -> MosaicTiling | None:
     """The measured tiling for an NVFP4 weight [N, K] on a GPU of `sm_count` SMs, or None where it does
-    not fit (then quant_matmul's Triton kernel runs). H200, cold weights, one row (session 11, when the
-    row was copied whole; streamed with the weights since session 12: 16.6-16.9 us at both 27B shapes):
-      - many rows (N / 16 at least FEW_PROGRAMS: [17408, 5120]): 32 rows, 3 stages, 16.8 us; 16 rows
-        took 19.2, 64 rows 17.7, 4 stages 18.2 (Triton 17.4);
-      - fewer rows: 16 rows, 4 stages, and for rows of 8192 values or more 1024 a step (two groups a
-        lane): [5120, 17408] 17.2 us, against 20.6 with one group and 18.9 with 32 rows (Triton 18.8);
-        under one CTA an SM at 16 rows, 8 rows ([1024, 3584]: 3.1 against 3.3 us; Triton 4.5)."""
-    if N // 16 >= FEW_PROGRAMS:
-        t = MosaicTiling(32, 1, 3)
+    not fit (then quant_matmul's Triton kernel runs): 512 values a step (one group a lane), or 1024 for
+    rows of 8192 values or more; a whole number of CTAs an SM, about ROWS_A_THREAD rows a thread
+    (`sm_balanced`), with 4 stages at 1024 values a step, else 3, or 2 where three CTAs or more share
+    an SM; under half a CTA an SM, N / bn CTAs of 16 rows, or 8 where that would leave SMs without one.
+    H200, cold weights, one row (session 13 runs 2 and 3, GPU us a call):
+      - [17408, 5120]: 396 CTAs of 44 rows, 2 stages, 14.8 us (3 stages 15.1-15.2; N / 32 CTAs of 32
+        rows: 16.9; 264 of 68 rows 15.2, 528 of 36 15.4, 660 of 28 15.6, 792 of 24 16.4; 4 stages 16.0;
+        1024 values a step 18.3);
+      - [5120, 17408]: 264 CTAs of 20 rows, 1024 values a step, 4 stages, 14.7 us (N / 16 CTAs of 16
+        rows: 16.7; 132 of 40 rows 15.2, 396 of 14 15.5, 528 of 10 16.1; 3 stages 14.9, 6 15.6; 512
+        values a step 18.8);
+      - [5120, 6144]: 132 CTAs of 40 rows, 8.2 us (N / 16 CTAs of 16 rows: 8.7; 264 of 20: 8.4);
+      - [3584, 1024]: 132 CTAs of 28 rows, 2.44 us (N / 16 CTAs of 16 rows: 2.37);
+      - [1024, 3584]: 128 CTAs of 8 rows (session 11: 3.1 us against 3.3 with 16 rows)."""
+    groups = 2 if K >= 8192 else 1
+    balanced = sm_balanced(N, sm_count, ROWS_A_THREAD * 4 // groups, 4 // groups)
+    if balanced is None:
+        t = MosaicTiling(16 if N // 16 >= sm_count else 8, groups, 4)
     else:
-        t = MosaicTiling(16 if N // 16 >= sm_count else 8, 2 if K >= 8192 else 1, 4)
+        ctas, bn = balanced
+        t = MosaicTiling(bn, groups, 4 if groups == 2 else 2 if ctas >= 3 * sm_count else 3, ctas)
     return t if t.fits(N, K) else None
 
 
@@ -258,7 +301,8 @@ def streamed_nvfp4_kernel(name: str, x: jax.Array, data: jax.Array, scale: jax.A
         raise ValueError(f"{name}_mosaic takes 1 to {max_rows} bf16 rows [M, {K}] for a [{N}, {K}] weight, "
                          f"got {x.dtype} {list(x.shape)}")
     if not tiling.fits(N, K):
-        raise ValueError(f"{tiling} does not fit an NVFP4 weight [{N}, {K}]: N must divide by bn and K by {block_k}")
+        raise ValueError(f"{tiling} does not fit an NVFP4 weight [{N}, {K}]: its CTAs must cover N rows (`rows_fit`) "
+                         f"and K divide by {block_k}")
     words = jax.lax.bitcast_convert_type(data.reshape(N, K // 8, 4), jnp.int32)
     scale_bytes = jax.lax.bitcast_convert_type(scale, jnp.uint8)
     acc_layout = plgpu.Layout.WG_STRIDED(acc_shape, vec_size=1)
@@ -269,7 +313,7 @@ def streamed_nvfp4_kernel(name: str, x: jax.Array, data: jax.Array, scale: jax.A
     store = plgpu.inline_mgpu(arg_types=(acc_layout, ref, ref, ref))(lambda ctx, *args: store_rows(*args))
 
     def body(x_gmem, w_gmem, s_gmem, g_gmem, o_gmem, partials):
-        rows = pl.ds(jax.lax.axis_index("n") * bn, bn)
+        rows = pl.ds(first_row(jax.lax.axis_index("n"), N, bn, tiling.ctas), bn)
         acc = plgpu.emit_pipeline(
             lambda indices, codes, scales, x_step, acc: products(codes, scales, x_step, acc),
             grid=(K // block_k,), max_concurrent_steps=tiling.stages,
@@ -283,7 +327,7 @@ def streamed_nvfp4_kernel(name: str, x: jax.Array, data: jax.Array, scale: jax.A
     body.__name__ = name
     x_rows = jax.lax.bitcast_convert_type(x.reshape(M, K // 512, 256, 2), jnp.int32)
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((M, N), x.dtype), grid=(N // bn,), grid_names=("n",),
+        body, out_type=jax.ShapeDtypeStruct((M, N), x.dtype), grid=(tiling.ctas or N // bn,), grid_names=("n",),
         scratch_types=dict(partials=plgpu.SMEM(partials_shape, jnp.float32)),
     )(x_rows, words, scale_bytes, jnp.reshape(global_scale, (1,)).astype(jnp.float32))
 

@@ -8,7 +8,8 @@ same at any M (23.4 us at 2 rows, 24.1 at 4, 27.7 at 8; Triton's many-rows kerne
 two rows the f16x2 kernel is faster (23 against 17 us at one), so the dispatcher sends it 3-16 rows.
 Up to 8 rows fill the MMA's rows 0-7; 9-16 fill rows 8-15 too, which doubles the activations' work
 (42.1 us at 12 rows, 47.9 at 16, level with Triton's 46.6-47.9 at this shape; at [1024, 3584] 6.5
-against 7.8-8.8).
+against 7.8-8.8). These are session 12's figures, with N / 32 CTAs; a whole number of CTAs an SM
+(`pick_mma_tiling`) made 4 and 8 rows 15-25% faster at 27B shapes (session 13).
 
 The weights stream through a TMA ring (`plgpu.emit_pipeline`) as in nvfp4_gemv_mosaic.py, with the
 step's activations. One CTA (4 warps) per bn = 8 x n_tiles weight rows; the warps split each K
@@ -42,7 +43,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, scf, vector
 
 from pallas_kernels.nvfp4_gemv_mosaic import (_asm, _c, _element, _i32, _index, _lane_and_warp, _scaled_pairs, _x_tops,
-                                              streamed_nvfp4_kernel)
+                                              rows_fit, sm_balanced, streamed_nvfp4_kernel)
 from pallas_kernels.quant_matmul import E2M1_SHRINK, nvfp4_decode_ptx
 
 MAX_ROWS = 16  # activation rows a call: the MMA's 16 (with 8 or fewer, its rows 8-15 multiply zeros)
@@ -78,6 +79,7 @@ class MmaTiling:
     bn: int = 32
     chunks: int = 1
     stages: int = 3
+    ctas: int = 0  # as MosaicTiling's
 
     @property
     def block_k(self) -> int:
@@ -88,25 +90,37 @@ class MmaTiling:
         return self.bn // 8
 
     def fits(self, N: int, K: int) -> bool:
-        return self.bn % 8 == 0 and N % self.bn == 0 and K % self.block_k == 0
+        return self.bn % 8 == 0 and rows_fit(N, self.bn, self.ctas) and K % self.block_k == 0
+
+
+MMA_ROWS = 44  # weight rows a CTA of the tensor-core kernel, about (session 13: 40-48 were fastest)
 
 
 def pick_mma_tiling(N: int, K: int, sm_count: int) -> MmaTiling | None:
     """The measured tiling for an NVFP4 weight [N, K] on a GPU of `sm_count` SMs, or None where it does
-    not fit. H200, cold weights, GPU time at 2 / 3 / 4 / 8 rows (session 12 run 3, BENCHMARKS.md):
-      - 32 rows a CTA, 3 stages: [17408, 5120] 23.4 / 23.7 / 24.1 / 27.7 us (4 stages 24.2 / 24.5 /
-        26.2 / 28.7; run 2 at 4 / 8 rows: 64 rows 24.3 / 34.4, 16 rows 28.2 / 36.8); [3584, 1024]
-        3.2 / 3.2 / 3.2 / 3.3 (16 rows 3.4 / 3.6 and 8 rows 4.0 / 4.2 at 4 / 8, run 2);
-      - rows of 8192 values or more take 1024 a step: [5120, 17408] 31.3 / 32.2 / 33.3 / 35.2 (16 rows
-        29.7 / 31.0 / 32.5 but 53.7 at 8; 512 a step 38.4 / 42.9 at 4 / 8, run 2);
-      - 8 rows a CTA where that makes at most one CTA an SM: [1024, 3584] 4.6 / 4.6 / 4.8 / 5.1 (16 rows
-        4.9 / 5.0 / 5.0 / 5.3).
-    At 12 / 16 activation rows (run 6): [17408, 5120] 42.1 / 47.9 us (Triton 46.6 / 47.9), [5120, 17408]
-    53.1 / 54.0 (Triton 51.5 / 52.9), [1024, 3584] 6.5 / 6.6 (Triton 7.8 / 8.8)."""
-    if N // 8 <= sm_count:
+    not fit: 512 values a step, 1024 for rows of 8192 values or more; 3 stages; a whole number of CTAs
+    an SM of about MMA_ROWS rows (`sm_balanced`), else N / 8 CTAs of 8 rows where that makes at most
+    one an SM, else N / 32 of 32. H200, cold weights, GPU us a call at 4 / 8 activation rows (session
+    13 run 2):
+      - [17408, 5120]: 396 CTAs of 48 rows, 20.8 / 21.9 (N / 32 CTAs of 32 rows: 24.5 / 27.2; 528 of
+        40 rows 23.1 / 31.1; 4 stages 29.8 / 31.0);
+      - [5120, 17408]: 132 CTAs of 40 rows, 26.0 / 27.0 (N / 32 of 32 rows: 33.1 / 35.4; 264 of 24
+        rows 29.6 / 31.9; 396 of 16 34.1 / 53.8);
+      - [5120, 6144]: 132 CTAs of 40 rows, 12.5 / 12.8 (N / 32 of 32 rows: 15.2 / 16.2; 264 of 24 rows
+        14.0 / 14.7, run 3);
+      - [3584, 1024]: 132 CTAs of 32 rows, 3.22 / 3.35 (N / 32 of 32 rows: 3.17 / 3.33, run 3);
+      - [1024, 3584]: 128 CTAs of 8 rows, 4 stages (session 12: 4.8 / 5.1 against 5.0 / 5.3 with 16).
+    At 12 / 16 activation rows (session 12, N / 32 CTAs): [17408, 5120] 42.1 / 47.9 us (Triton 46.6 /
+    47.9), [5120, 17408] 53.1 / 54.0 (Triton 51.5 / 52.9), [1024, 3584] 6.5 / 6.6 (Triton 7.8 / 8.8)."""
+    chunks = 2 if K >= 8192 else 1
+    balanced = sm_balanced(N, sm_count, MMA_ROWS, 8)
+    if balanced is not None:
+        ctas, bn = balanced
+        t = MmaTiling(bn, chunks, 3, ctas)
+    elif N // 8 <= sm_count:
         t = MmaTiling(8, 1, 4)
     else:
-        t = MmaTiling(32, 2 if K >= 8192 else 1, 3)
+        t = MmaTiling(32, chunks, 3)
     return t if t.fits(N, K) else None
 
 

@@ -21,7 +21,8 @@ def _args(M: int, N: int, K: int) -> tuple:
 
 @pytest.mark.parametrize("M, N, K, tiling", [(1, 64, 1024, MmaTiling(32, 1, 3)), (3, 64, 2048, MmaTiling(32, 2, 3)),
                                              (8, 16, 1536, MmaTiling(8, 1, 4)), (5, 96, 512, MmaTiling(32, 1, 3)),
-                                             (9, 64, 1024, MmaTiling(32, 1, 3)), (16, 16, 2048, MmaTiling(8, 2, 4))])
+                                             (9, 64, 1024, MmaTiling(32, 1, 3)), (16, 16, 2048, MmaTiling(8, 2, 4)),
+                                             (4, 100, 1024, MmaTiling(24, 1, 3, 5))])
 def test_lowers_to_one_mosaic_gpu_kernel(M, N, K, tiling):
     f = jax.jit(lambda *a: nvfp4_mma_mosaic(*a, tiling=tiling))
     module = f.trace(*_args(M, N, K)).lower(lowering_platforms=("cuda",)).as_text()
@@ -30,7 +31,8 @@ def test_lowers_to_one_mosaic_gpu_kernel(M, N, K, tiling):
 
 
 @pytest.mark.parametrize("N, K, tiling", [(40, 1024, MmaTiling(32, 1, 3)), (64, 1000, MmaTiling(32, 1, 3)),
-                                          (64, 1536, MmaTiling(32, 2, 3)), (12, 512, MmaTiling(12, 1, 3))])
+                                          (64, 1536, MmaTiling(32, 2, 3)), (12, 512, MmaTiling(12, 1, 3)),
+                                          (100, 512, MmaTiling(16, 1, 3, 6))])
 def test_refuses_a_weight_its_tiling_does_not_divide(N, K, tiling):
     with pytest.raises(ValueError, match=rf"does not fit an NVFP4 weight \[{N}, {K}\]"):
         nvfp4_mma_mosaic(*(jnp.zeros(a.shape, a.dtype) for a in _args(2, N, K)), tiling=tiling)
@@ -43,9 +45,10 @@ def test_takes_one_to_sixteen_bf16_rows_only(x):
 
 
 @pytest.mark.parametrize("N, K, want", [
-    (17408, 5120, MmaTiling(32, 1, 3)),   # 27B MLP up / gate
-    (5120, 17408, MmaTiling(32, 2, 3)),   # 27B MLP down: long rows, 1024 values a step
-    (3584, 1024, MmaTiling(32, 1, 3)),    # 0.8B MLP up
+    (17408, 5120, MmaTiling(48, 1, 3, 396)),  # 27B MLP up / gate: three CTAs an SM
+    (5120, 17408, MmaTiling(40, 2, 3, 132)),  # 27B MLP down: long rows, 1024 values a step
+    (3584, 1024, MmaTiling(32, 1, 3, 132)),   # 0.8B MLP up
+    (2048, 1024, MmaTiling(32, 1, 3)),    # under half a CTA an SM, over one 8-row CTA
     (1024, 3584, MmaTiling(8, 1, 4)),     # 0.8B MLP down: at most one 8-row CTA an SM
     (17408, 5376, None),                  # K not a multiple of 512
     (5120, 17920, None),                  # long rows not a multiple of 1024
