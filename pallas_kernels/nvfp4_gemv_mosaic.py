@@ -199,15 +199,17 @@ def sm_balanced(N: int, sm_count: int, rows: int, multiple: int) -> tuple[int, i
 
 
 ROWS_A_THREAD = 10  # weight rows a thread of the f16x2 kernel, about: each activation group it scales serves them all
+BALANCED_STEPS = 8  # K steps a row needs before SM-balanced grids pay off in the f16x2 kernel (measured, below)
 
 
 def pick_mosaic_tiling(N: int, K: int, sm_count: int) -> MosaicTiling | None:
     """The measured tiling for an NVFP4 weight [N, K] on a GPU of `sm_count` SMs, or None where it does
     not fit (then quant_matmul's Triton kernel runs): 512 values a step (one group a lane), or 1024 for
-    rows of 8192 values or more; a whole number of CTAs an SM, about ROWS_A_THREAD rows a thread
-    (`sm_balanced`), with 4 stages at 1024 values a step, else 3, or 2 where three CTAs or more share
-    an SM; under half a CTA an SM, N / bn CTAs of 16 rows, or 8 where that would leave SMs without one.
-    H200, cold weights, one row (session 13 runs 2 and 3, GPU us a call):
+    rows of 8192 values or more; for rows of BALANCED_STEPS steps or more, a whole number of CTAs an
+    SM, about ROWS_A_THREAD rows a thread (`sm_balanced`), with 4 stages at 1024 values a step, else 3,
+    or 2 where three CTAs or more share an SM; for shorter rows or under half a CTA an SM, N / bn CTAs
+    of 16 rows, or 8 where that would leave SMs without one. H200, cold weights, one row (session 13
+    runs 2-5, GPU us a call):
       - [17408, 5120]: 396 CTAs of 44 rows, 2 stages, 14.8 us (3 stages 15.1-15.2; N / 32 CTAs of 32
         rows: 16.9; 264 of 68 rows 15.2, 528 of 36 15.4, 660 of 28 15.6, 792 of 24 16.4; 4 stages 16.0;
         1024 values a step 18.3);
@@ -215,10 +217,12 @@ def pick_mosaic_tiling(N: int, K: int, sm_count: int) -> MosaicTiling | None:
         rows: 16.7; 132 of 40 rows 15.2, 396 of 14 15.5, 528 of 10 16.1; 3 stages 14.9, 6 15.6; 512
         values a step 18.8);
       - [5120, 6144]: 132 CTAs of 40 rows, 8.2 us (N / 16 CTAs of 16 rows: 8.7; 264 of 20: 8.4);
-      - [3584, 1024]: 132 CTAs of 28 rows, 2.44 us (N / 16 CTAs of 16 rows: 2.37);
+      - [3584, 1024], 2 steps: N / 16 CTAs of 16 rows, 2.37 us (132 CTAs of 28 rows: 2.44); in a 2B
+        model (rows of 2048 values: 4 steps) the balanced grids made decode 1.6% slower (run 5);
       - [1024, 3584]: 128 CTAs of 8 rows (session 11: 3.1 us against 3.3 with 16 rows)."""
     groups = 2 if K >= 8192 else 1
-    balanced = sm_balanced(N, sm_count, ROWS_A_THREAD * 4 // groups, 4 // groups)
+    steps = K // (groups * 32 * GROUP)
+    balanced = sm_balanced(N, sm_count, ROWS_A_THREAD * 4 // groups, 4 // groups) if steps >= BALANCED_STEPS else None
     if balanced is None:
         t = MosaicTiling(16 if N // 16 >= sm_count else 8, groups, 4)
     else:

@@ -66,7 +66,8 @@ def test_sm_balanced_leaves_small_weights_to_the_plain_grid():
     (17408, 5120, MosaicTiling(44, 1, 2, 396)),  # 27B MLP up / gate: three CTAs an SM
     (5120, 17408, MosaicTiling(20, 2, 4, 264)),  # 27B MLP down: long rows, 1024 values a step
     (5120, 6144, MosaicTiling(40, 1, 3, 132)),   # 27B GDN out_proj: one CTA an SM
-    (3584, 1024, MosaicTiling(28, 1, 3, 132)),   # 0.8B MLP up
+    (3584, 1024, MosaicTiling(16, 1, 4)),    # 0.8B MLP up: rows of two steps keep N / bn CTAs
+    (6144, 4096, MosaicTiling(48, 1, 3, 132)),   # 8 steps: balanced
     (1024, 3584, MosaicTiling(8, 1, 4)),     # 0.8B MLP down: under half a CTA an SM
     (17408, 5376, None),                     # K not a multiple of 512: the Triton kernel
     (5120, 17920, None),                     # long rows not a multiple of 1024
