@@ -10,8 +10,9 @@ own activations. H200, cold weights (BENCHMARKS.md): a 27B MLP matrix [17408, 51
 against 17.4 for Triton with its row kernel, [5120, 17408] in 14.7 against 18.8, 0.8B projections
 20-30% faster; two rows 22.4 and 23.6 us (session 12, before the SM-balanced grids).
 
-One CTA (one warpgroup, 128 threads) per box of bn output rows; a whole number of CTAs an SM, where
-neighbouring boxes may overlap (`sm_balanced`, `first_row`), so that every SM streams the same bytes:
+One CTA (one warpgroup, 128 threads) per box of bn output rows; for long rows a whole number of CTAs
+an SM, where neighbouring boxes may overlap (`sm_balanced`, `first_row`), so that every SM streams the
+same bytes:
   - each K step (`_step_products`) takes groups x 512 values of the bn rows. A lane owns one 16-value
     group of the step: for each activation row it scales the group's activations by a power of two
     (`_group_pairs`: the group's largest |x| into [2^14, 2^15), so no sum of 16 products leaves f16)
