@@ -177,7 +177,8 @@ class MosaicTiling:
         return self.bn * self.groups // 4
 
     def fits(self, N: int, K: int) -> bool:
-        return rows_fit(N, self.bn, self.ctas) and K % self.block_k == 0 and 4 % self.groups == 0 and self.rows_a_thread >= 1
+        return (rows_fit(N, self.bn, self.ctas) and K % self.block_k == 0 and 4 % self.groups == 0
+                and self.rows_a_thread >= 1)
 
     def thread_rows(self, warp) -> list:
         """The rows (i32) a thread of `warp` owns, one a register of its accumulator."""
@@ -229,7 +230,11 @@ def pick_mosaic_tiling(N: int, K: int, sm_count: int) -> MosaicTiling | None:
         t = MosaicTiling(16 if N // 16 >= sm_count else 8, groups, 4)
     else:
         ctas, bn = balanced
-        t = MosaicTiling(bn, groups, 4 if groups == 2 else 2 if ctas >= 3 * sm_count else 3, ctas)
+        if groups == 2:
+            stages = 4
+        else:
+            stages = 2 if ctas >= 3 * sm_count else 3
+        t = MosaicTiling(bn, groups, stages, ctas)
     return t if t.fits(N, K) else None
 
 
@@ -294,7 +299,8 @@ def streamed_nvfp4_kernel(name: str, x: jax.Array, data: jax.Array, scale: jax.A
                           tiling, max_rows: int, acc_shape: tuple, partials_shape: tuple, step_products,
                           store_rows) -> jax.Array:
     """The TMA pipeline both Mosaic GPU NVFP4 kernels run (x [M, K] bf16, the weight as in
-    `nvfp4_gemv_mosaic` -> [M, N] bf16): one CTA per bn output rows streams their codes [bn, block_k/8]
+    `nvfp4_gemv_mosaic` -> [M, N] bf16): each CTA (tiling.ctas, or N / bn; its rows from `first_row`)
+    streams the codes of its bn output rows [bn, block_k/8]
     i32, group scales [bn, block_k/16] u8 and the step's activations [M, block_k/512, 256] i32 (bf16
     pairs; TMA boxes stop at 256 a side) into shared memory, `stages` K steps ahead (bn, block_k,
     stages and fits(N, K) from `tiling`; M at most max_rows).

@@ -12,8 +12,8 @@ Formats of a weight W [N, K] (`QuantizedWeight.format`):
 `quant_matmul` is the dispatcher: a Pallas kernel on a GPU (1-16 bf16 rows of NVFP4 on Hopper: the
 Mosaic GPU kernels of nvfp4_gemv_mosaic.py and nvfp4_mma_mosaic.py; the rest this module's Triton
 kernel), dequantize-then-dot elsewhere. The Triton kernel runs one program per block of BN output
-channels (and per K range when K is split), loops over K in BK tiles, dequantizes each weight tile in registers and accumulates in
-float32. A single activation row (decode at batch 1) is contracted by packed f16 pairs in their own
+channels (and per K range when K is split), loops over K in BK tiles, dequantizes each weight tile
+in registers and accumulates in float32. A single activation row (decode at batch 1) is contracted by packed f16 pairs in their own
 kernels (below); more rows by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). On
 the GPU the int8 and e2m1 decodes are inline PTX bit tricks (int8 without the int-to-float
 converter; e2m1 codes stored where f16 and e5m2 keep those bits, so a mask decodes them).
@@ -721,11 +721,11 @@ def has_tma(device) -> bool:
 
 
 # Up to this many bf16 rows of NVFP4, Mosaic GPU's f16x2 kernel (nvfp4_gemv_mosaic.py); more, up to its
-# MAX_ROWS, the tensor-core kernel (nvfp4_mma_mosaic.py). H200, cold weights, session 12 run 3, f16x2
-# against tensor cores at [17408, 5120] / [5120, 17408] / [3584, 1024] / [1024, 3584]: 2 rows 22.4 /
-# 23.6 / 2.7 / 3.7 us against 23.4 / 31.3 / 3.2 / 4.6; 3 rows 28.0 / 29.1 / 3.3 / 4.3 against 23.7 / 32.2
-# / 3.2 / 4.6 (mixed; an MLP has two up-shaped projections to one down); 4 rows 34.0 / 35.2 / 3.7 / 5.0
-# against 24.1 / 33.3 / 3.2 / 4.8.
+# MAX_ROWS, the tensor-core kernel (nvfp4_mma_mosaic.py). H200, cold weights, f16x2 against tensor
+# cores at [17408, 5120] / [5120, 17408] with the SM-balanced grids (session 13 run 4): 2 rows 18.4 /
+# 19.5 us against 20.6 / 25.5; 3 rows 23.2 / 24.8 against 20.4 / 25.3 (mixed; an MLP has two up-shaped
+# projections to one down). Session 12 run 3 at [3584, 1024] / [1024, 3584]: 2 rows 2.7 / 3.7 against
+# 3.2 / 4.6; 3 rows 3.3 / 4.3 against 3.2 / 4.6; 4 rows 3.7 / 5.0 against 3.2 / 4.8.
 MOSAIC_GEMV_ROWS = 2
 
 
