@@ -1,10 +1,11 @@
 """Qwen3.5 / Qwen3.6 (and Qwen3-Next) GDN-hybrid language model in Flax NNX, dense and MoE.
 
 Layers alternate Gated DeltaNet (linear attention) and gated full attention in a repeating
-pattern (three GDN layers, then one attention layer, for every released size). The pattern's
-layers are stacked over its repeats and run under one `lax.scan` (`scan_layers`): rolled on the
-CPU, so compile time does not grow with depth; unrolled on the GPU, where a rolled scan copies
-every layer's weights out of the stacks each step.
+pattern (three GDN layers, then one attention layer, for every released size). As loaded, the
+pattern's layers are stacked over its repeats and run under one `lax.scan` (`scan_layers`), so
+compile time does not grow with depth. The engine's GPU layout (`Qwen3_5Model.use_decode_layout`)
+gives every layer's weights arrays of their own, runs the layers unrolled and joins projections
+that read the same input: a decode step then reads each weight in place, in few long passes.
 
 The model is pure over explicit caches: `Qwen3_5Model.__call__` takes the caches and returns
 new ones (see `ModelCache`). Checkpoint name mapping lives in `spec_jax/checkpoint.py`; module
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import jax
@@ -254,8 +256,7 @@ def zeros_param(shape, dtype) -> nnx.Param:
 
 
 # Unroll the layer scan on the GPU: inside a rolled scan XLA copies each layer's weights out of
-# the stacked arrays before every matmul it does not fuse as a reduction (any M > 1 dot), which
-# was 0.73 ms of a 0.8B verify step's 2.39 ms (bench/step_profile.py, BENCHMARKS.md).
+# the stacked arrays before every matmul it does not fuse as a reduction (any M > 1 dot).
 UNROLL_LAYERS_ON_GPU = True
 
 
@@ -267,6 +268,28 @@ def unroll_layers() -> bool:
 def scan_layers(body, init, xs):
     """`lax.scan(body, init, xs)` over stacked layers, unrolled where `unroll_layers()`."""
     return jax.lax.scan(body, init, xs, unroll=unroll_layers())
+
+
+def unstack_layers(stacked: nnx.List) -> nnx.List:
+    """Modules whose parameters are stacked over G repeats [G, ...] -> G nnx.Lists of the same
+    modules, each repeat's parameters arrays of their own.
+
+    Inside the decode `while_loop` XLA copies a weight sliced out of a stack before the matmul
+    that reads it, every step, even when the slice is static; a weight that is a whole array is
+    read in place. Each stacked array is released once sliced (when nothing else holds it), so
+    the peak is the model plus one parameter.
+    """
+    gdef, state = nnx.split(stacked)
+    leaves, treedef = jax.tree.flatten(state)
+    del stacked, state
+    G = leaves[0].shape[0]
+    groups = [[] for _ in range(G)]
+    for i in range(len(leaves)):
+        whole, leaves[i] = leaves[i], None
+        for g in range(G):
+            groups[g].append(whole[g])
+        del whole
+    return nnx.List([nnx.merge(gdef, jax.tree.unflatten(treedef, leaves_g)) for leaves_g in groups])
 
 
 # A quantized Linear's scale and global-scale variables, named as the checkpoints carrying each
@@ -297,6 +320,38 @@ class Linear(nnx.Module):
         scale, global_scale = SCALE_NAMES[self.format]
         g = getattr(self, global_scale)[...] if global_scale else None
         return QuantizedWeight(self.weight[...], getattr(self, scale)[...], g, self.format)
+
+    @classmethod
+    def of(cls, weight: jax.Array) -> "Linear":
+        """A float Linear holding `weight` [out, in] (no zeros allocated first)."""
+        linear = nnx.eval_shape(lambda: cls(weight.shape[-1], weight.shape[-2], dtype=weight.dtype))
+        linear.weight = nnx.Param(weight)
+        return linear
+
+
+def fuse_linears(module: nnx.Module, names: tuple[str, ...]) -> None:
+    """Join the float Linears `names` of `module`, which read the same input, into one Linear
+    `module.fused` whose weight is theirs stacked by rows, and drop them; `project` then runs one
+    matmul where there were len(names). At decode sizes each matmul is a pass over its weight, and
+    one long pass runs nearer the HBM ceiling than several short ones (BENCHMARKS.md). Quantized
+    Linears stay apart: their scales do not concatenate in every format. In place; repeatable."""
+    parts = [getattr(module, n) for n in names]
+    if any(p is None or p.format is not None for p in parts):
+        return
+    module.fused = Linear.of(jnp.concatenate([p.weight[...] for p in parts], axis=0))
+    module.fused_sizes = tuple(p.weight.shape[0] for p in parts)
+    for n in names:
+        setattr(module, n, None)
+
+
+def project(module: nnx.Module, names: tuple[str, ...], x: jax.Array) -> tuple[jax.Array, ...]:
+    """The outputs of `module`'s Linears `names` on x [..., in]: one matmul split by columns when
+    `fuse_linears` joined them, else one matmul each."""
+    fused = getattr(module, "fused", None)
+    if fused is None:
+        return tuple(getattr(module, n)(x) for n in names)
+    ends = list(itertools.accumulate(module.fused_sizes))
+    return tuple(jnp.split(fused(x), ends[:-1], axis=-1))
 
 
 def quantize_linear(linear: Linear, fmt: str) -> None:
@@ -401,6 +456,8 @@ def cached_attention(q, k, v, positions, cache: KVCache, g, kv_len: int):
 class GatedAttention(nnx.Module):
     """Full attention with a per-head sigmoid output gate, q/k norms and partial RoPE."""
 
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # read the same input: `fuse_linears` may join them
+
     def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
         H, d = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
@@ -419,10 +476,11 @@ class GatedAttention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         d = cfg.head_dim
-        qg = self.q_proj(x).reshape(B, T, cfg.num_attention_heads, 2 * d)
+        qg, k, v = project(self, self.PROJECTIONS, x)
+        qg = qg.reshape(B, T, cfg.num_attention_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]  # per head: [query | gate]
-        k = self.k_proj(x).reshape(B, T, cfg.num_key_value_heads, d)
-        v = self.v_proj(x).reshape(B, T, cfg.num_key_value_heads, d)
+        k = k.reshape(B, T, cfg.num_key_value_heads, d)
+        v = v.reshape(B, T, cfg.num_key_value_heads, d)
         pos = batch.positions_for(T)
         q = apply_rope(self.q_norm(q), pos, cfg.rotary_dim, cfg.rope_theta)
         k = apply_rope(self.k_norm(k), pos, cfg.rotary_dim, cfg.rope_theta)
@@ -434,6 +492,8 @@ class GatedAttention(nnx.Module):
 
 class GatedDeltaNet(nnx.Module):
     """Gated DeltaNet linear attention: causal depthwise conv + SiLU, then the gated delta rule."""
+
+    PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
     def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
         H, nv = cfg.hidden_size, cfg.linear_num_value_heads
@@ -463,7 +523,7 @@ class GatedDeltaNet(nnx.Module):
         dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         key_dim = nk * dk
 
-        mixed = self.in_proj_qkv(x)  # [B, T, conv_dim]
+        mixed, z, b, a = project(self, self.PROJECTIONS, x)  # mixed: [B, T, conv_dim]
         window = jax.lax.dynamic_index_in_dim(cache.conv, g, keepdims=False)
         seq = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
         w = self.conv1d[...][:, 0, :]  # [C, K]
@@ -472,8 +532,8 @@ class GatedDeltaNet(nnx.Module):
         k = u[..., key_dim : 2 * key_dim].reshape(B, T, nk, dk)
         v = u[..., 2 * key_dim :].reshape(B, T, nv, dv)
         valid = batch.valid_for(T)[..., None]
-        beta = jnp.where(valid, jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32)), 0.0)
-        a = self.in_proj_a(x).astype(jnp.float32)
+        beta = jnp.where(valid, jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
+        a = a.astype(jnp.float32)
         decay = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
         decay = jnp.where(valid, decay, 0.0)
         state = jax.lax.dynamic_index_in_dim(cache.state, g, keepdims=False)
@@ -493,7 +553,7 @@ class GatedDeltaNet(nnx.Module):
                 jax.lax.dynamic_update_index_in_dim(cache.conv, conv_window(seq, batch.n_valid, K), g, 0),
                 jax.lax.dynamic_update_index_in_dim(cache.state, state, g, 0),
             )
-        z = self.in_proj_z(x).reshape(B, T, nv, dv)
+        z = z.reshape(B, T, nv, dv)
         o = self.norm(o, z, x.dtype).reshape(B, T, nv * dv)
         return self.out_proj(o), cache, pending
 
@@ -530,13 +590,16 @@ def commit_gdn(cache: GDNCache, pending: GDNPending, n_used: jax.Array, K: int) 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
+    PROJECTIONS = ("gate_proj", "up_proj")
+
     def __init__(self, hidden: int, inner: int, *, stack=(), dtype=jnp.float32):
         self.gate_proj = Linear(hidden, inner, stack=stack, dtype=dtype)
         self.up_proj = Linear(hidden, inner, stack=stack, dtype=dtype)
         self.down_proj = Linear(inner, hidden, stack=stack, dtype=dtype)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, self.PROJECTIONS, x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Experts(nnx.Module):
@@ -609,6 +672,13 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, stack=stack, dtype=dtype)
 
+    def fuse_projections(self) -> None:
+        """Join each sub-block's same-input projections into one matmul (`fuse_linears`)."""
+        mixer = self.self_attn if self.kind == FULL else self.linear_attn
+        mlp = self.mlp.shared_expert if isinstance(self.mlp, SparseMoE) else self.mlp
+        for module in (mixer, mlp):
+            fuse_linears(module, module.PROJECTIONS)
+
     def __call__(self, x, batch: Batch, cache, g, kv_len: int, rollback=None):
         mixer = self.self_attn if self.kind == FULL else self.linear_attn
         h, cache, pending = mixer(self.input_layernorm(x), batch, cache, g, kv_len, rollback)
@@ -628,17 +698,27 @@ class MTPHead(nnx.Module):
         self.fc = Linear(2 * H, H, dtype=dtype)
         self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nnx.List([DecoderLayer(cfg, FULL, stack=(1,), dtype=dtype)])
+        self.layers = nnx.List([DecoderLayer(cfg, FULL, stack=(1,), dtype=dtype)])  # the checkpoint's mtp.layers.0
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layer = nnx.data(None)  # the block with its own arrays, after `use_decode_layout`
+
+    def use_decode_layout(self) -> None:
+        """The block's weights as arrays of their own, projections joined (see
+        `Qwen3_5Model.use_decode_layout`)."""
+        if self.layer is None:
+            stacked, self.layers = self.layers, None
+            self.layer = unstack_layers(stacked)[0][0]
+            self.layer.fuse_projections()
 
     def __call__(self, embedded_next, hidden, batch: Batch, cache: KVCache, kv_len: int):
         """embedded_next: [B, T, H] embeddings of tokens p+1; hidden: [B, T, H] the target's
         post-norm hidden at p; cache: [1, B, L, kv, d]. Returns the post-norm MTP hidden
         [B, T, H] (feed it to the shared lm_head) and the cache."""
         x = jnp.concatenate([self.pre_fc_norm_embedding(embedded_next), self.pre_fc_norm_hidden(hidden)], axis=-1)
-        layer = self.layers[0]
-        gdef, params = nnx.split(layer)
-        layer = nnx.merge(gdef, jax.tree.map(lambda a: a[0], params))
+        layer = self.layer
+        if layer is None:
+            gdef, params = nnx.split(self.layers[0])
+            layer = nnx.merge(gdef, jax.tree.map(lambda a: a[0], params))
         x, cache, _ = layer(self.fc(x), batch, cache, 0, kv_len)
         return self.norm(x), cache
 
@@ -657,9 +737,25 @@ class Qwen3_5Model(nnx.Module):
         G = (cfg.num_groups,)
         self.embed_tokens = zeros_param((cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nnx.List([DecoderLayer(cfg, kind, stack=G, dtype=dtype) for kind in cfg.pattern])
+        self.groups = nnx.data(None)  # G lists of the pattern's layers, after `use_decode_layout`
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.mtp = MTPHead(cfg, dtype=dtype) if cfg.mtp_num_hidden_layers else None
+
+    def use_decode_layout(self) -> None:
+        """Switch to the decode layout: every layer's weights (and the MTP block's) become arrays
+        of their own and the layers run unrolled, so no step copies a weight out of a stack
+        (`unstack_layers`); projections that read the same input are joined into one matmul
+        (`fuse_linears`). Loaders and converters read and write the stacked layout; the engine
+        calls this on the GPU. In place; a second call does nothing."""
+        if self.groups is None:
+            stacked, self.layers = self.layers, None
+            self.groups = unstack_layers(stacked)
+            for layers in self.groups:
+                for layer in layers:
+                    layer.fuse_projections()
+        if self.mtp is not None:
+            self.mtp.use_decode_layout()
 
     def init_cache(self, batch: int, max_len: int) -> ModelCache:
         """Empty caches for `batch` rows of up to `max_len` tokens (see `init_cache`)."""
@@ -687,13 +783,10 @@ class Qwen3_5Model(nnx.Module):
         Returns (post-norm hidden [B, T, H] — a `TargetOut` when taps are asked for — new
         cache), plus the pending data when verifying.
         """
-        gdef, stacked = nnx.split(self.layers)
         P = len(self.cfg.pattern)
 
-        def group(carry, xs):
+        def group(carry, g, layers):
             x, cache, tapped = carry
-            g, params = xs
-            layers = nnx.merge(gdef, params)
             cache, pending = list(cache), []
             for p, layer in enumerate(layers):
                 with jax.named_scope(f"{layer.kind}_{p}"):
@@ -703,8 +796,18 @@ class Qwen3_5Model(nnx.Module):
             return (x, tuple(cache), tapped), tuple(pending)
 
         x = self.embed(tokens)
-        groups = (jnp.arange(self.cfg.num_groups), stacked)
-        (x, cache, tapped), pending = scan_layers(group, (x, cache, tuple(jnp.zeros_like(x) for _ in taps)), groups)
+        carry = (x, cache, tuple(jnp.zeros_like(x) for _ in taps))
+        if self.groups is None:
+            gdef, stacked = nnx.split(self.layers)
+            body = lambda c, xs: group(c, xs[0], nnx.merge(gdef, xs[1]))  # noqa: E731
+            carry, pending = scan_layers(body, carry, (jnp.arange(self.cfg.num_groups), stacked))
+        else:
+            per_group = []
+            for g, layers in enumerate(self.groups):
+                carry, pend = group(carry, g, layers)
+                per_group.append(pend)
+            pending = jax.tree.map(lambda *a: jnp.stack(a), *per_group)  # [G, ...] as the scan stacks it
+        x, cache, tapped = carry
         hidden = self.norm(x)
         if taps:
             hidden = TargetOut(hidden, jnp.concatenate(tapped, axis=-1))

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.qwen3_5 import CHUNK, Batch, Qwen3_5Config, Qwen3_5Model, TargetOut, init_cache
-from spec_jax.sampling import RowSampling, accept_drafts, draw, sample_tokens, warp_logits
+from models.qwen3_5 import CHUNK, Batch, Qwen3_5Config, Qwen3_5Model, TargetOut, init_cache, unroll_layers
+from proposers.oracle import SyntheticAcceptance
+from spec_jax.sampling import RowSampling, accept_drafts, accept_synthetic, draw, sample_tokens, warp_logits
 
 
 @jax.tree_util.register_dataclass
@@ -170,7 +171,8 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
     accept, roll every cache back to the accepted prefix, append n_acc + 1 tokens per row.
 
     Rows that do not speculate (or whose proposer found nothing) carry n_draft = 0: their
-    verify pass is a plain decode step of one token, in the same batch.
+    verify pass is a plain decode step of one token, in the same batch. A step where no row has
+    a draft (an ngram miss everywhere) runs a one-token pass instead of the k+1 verify.
     """
     B, L = state.tokens.shape
     k, rows, live = plan.k, jnp.arange(B), ~state.done
@@ -180,15 +182,35 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
     # No drafting for opted-out or finished rows, nor past a row's last allowed token.
     room = jnp.maximum(state.max_lengths - state.lengths - 1, 0)
     n_draft = jnp.where(state.speculate & live, jnp.minimum(n_draft, room), 0)
-
     newest = state.tokens[rows, state.lengths - 1]
-    inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
-    batch = Batch(start=state.lengths - 1, n_valid=jnp.where(live, n_draft + 1, 0))
-    target, cache, pending = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback, taps=plan_taps(plan))
-    target = as_target_out(target)
-    n_acc, emitted = accept_drafts(model.logits(target.hidden), drafts, n_draft, q, state.sampling, state.lengths,
-                                   do_sample=do_sample)
-    cache = model.commit(cache, pending, jnp.where(live, n_acc + 1, 0))
+
+    def verify(_):
+        inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
+        batch = Batch(start=state.lengths - 1, n_valid=jnp.where(live, n_draft + 1, 0))
+        target, cache, pending = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback,
+                                       taps=plan_taps(plan))
+        target = as_target_out(target)
+        logits = model.logits(target.hidden)
+        if isinstance(plan.proposer, SyntheticAcceptance):
+            n_acc, emitted = accept_synthetic(plan.proposer.rates_of(pstate), logits, drafts, n_draft,
+                                              state.sampling, state.lengths, do_sample=do_sample)
+        else:
+            n_acc, emitted = accept_drafts(logits, drafts, n_draft, q, state.sampling, state.lengths,
+                                           do_sample=do_sample)
+        return n_acc, emitted, model.commit(cache, pending, jnp.where(live, n_acc + 1, 0)), target
+
+    def decode_only(_):
+        # As `decode_step`; the target's outputs are padded to the k+1 positions proposers read
+        # (past n_acc + 1 = 1 they are never read).
+        batch = Batch(start=state.lengths - 1, n_valid=live.astype(jnp.int32))
+        target, cache = model(newest[:, None], batch, state.cache, kv_len=L, taps=plan_taps(plan))
+        target = as_target_out(target)
+        nxt = sample_tokens(model.logits(target.hidden[:, 0]), state.sampling, state.lengths, do_sample=do_sample)
+        pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, k), (0, 0)))  # noqa: E731
+        emitted = jnp.concatenate([nxt[:, None], drafts], axis=1)
+        return jnp.zeros_like(n_draft), emitted, cache, TargetOut(pad(target.hidden), pad(target.taps))
+
+    n_acc, emitted, cache, target = jax.lax.cond(jnp.any(n_draft > 0), verify, decode_only, None)
     pstate = plan.proposer.update(model, draft, pstate, target, emitted, n_acc, state.lengths, choose)
 
     s = state.stats
@@ -263,7 +285,13 @@ class Engine:
 
     def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None,
                  draft=None):
-        """draft: the proposer's own network (an NNX model), if its method has one."""
+        """draft: the proposer's own network (an NNX model), if its method has one. Where layers
+        run unrolled (the GPU) the target, and a Qwen3.5 draft model, switch to their decode layout
+        (`Qwen3_5Model.use_decode_layout`, in place), so no step copies a weight out of a stack."""
+        if unroll_layers():
+            for network in (model, draft):
+                if isinstance(network, Qwen3_5Model):
+                    network.use_decode_layout()
         self.cfg: Qwen3_5Config = model.cfg
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs

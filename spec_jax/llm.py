@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from models.qwen3_5 import CHUNK, ROLLBACKS
+from models.qwen3_5 import CHUNK, ROLLBACKS, Qwen3_5Model
 from proposers.dflash import DFlashProposer
 from proposers.draft_model import DraftModelProposer
 from proposers.dspark import DSparkProposer
 from proposers.eagle3 import Eagle3Proposer
 from proposers.mtp import MTPProposer
 from proposers.ngram import NgramProposer
-from proposers.oracle import OracleProposer, OracleTokens
+from proposers.oracle import OracleProposer, OracleTokens, SyntheticAcceptance
 from spec_jax.checkpoint import load_model, read_json, resolve_dtype
 from spec_jax.checkpoint_drafters import load_dflash, load_eagle3
 from spec_jax.checkpoint_gguf import find_gguf, gguf_tokenizer
@@ -92,7 +92,9 @@ class LLM:
     """A Qwen3.5/3.6 checkpoint loaded for generation.
 
     Args:
-      model: checkpoint directory (HF safetensors); None runs the embedded default model.
+      model: checkpoint directory (HF safetensors, GGUF, converted), or a `Qwen3_5Model` already in
+        memory (for example random weights made on the device by `bench.models`); None runs the
+        embedded default model.
       dtype: "bfloat16", "float32" or "auto" (bfloat16 on GPU, float32 on CPU).
       max_model_len: the longest prompt + completion (default 4096, or the model's limit if lower);
         it sizes the KV cache.
@@ -105,26 +107,30 @@ class LLM:
         inputs and re-run the accepted prefix). See BENCHMARKS.md for which is faster.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", max_model_len: int | None = None,
+    def __init__(self, model: str | Qwen3_5Model | None = None, *, dtype: str = "auto",
+                 max_model_len: int | None = None,
                  max_num_seqs: int = 8, seed: int = 0, speculative_config=None, tokenizer: str | None = None,
                  rollback: str = "replay"):
         if model is None:
             from spec_jax.default_model import default_model_dir
             model = str(default_model_dir())
+        loaded = model if isinstance(model, Qwen3_5Model) else None
+        if loaded is not None:
+            model, dtype = None, jnp.dtype(loaded.dtype).name
         if dtype == "auto":
             dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
         resolve_dtype(dtype)
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
         spec = parse_speculative_config(speculative_config, target_model=model)  # fail fast, before loading
-        gguf_file = find_gguf(model)
+        gguf_file = find_gguf(model) if model is not None else None
         if gguf_file is not None and spec is not None and spec.method == "dspark":
             raise ValueError(f"speculative method 'dspark' needs a safetensors target, not the GGUF file {model!r}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be at least 1")
         enable_compilation_cache()
         self.model_path = model
-        self.model, self.cfg = load_model(model, dtype)
+        self.model, self.cfg = (loaded, loaded.cfg) if loaded is not None else load_model(model, dtype)
         limit = self.cfg.max_position_embeddings
         max_model_len = max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit)
         if not 2 <= max_model_len <= limit:
@@ -132,8 +138,8 @@ class LLM:
         self.max_model_len = max_model_len
         self._set_speculation(speculative_config, rollback, max_num_seqs)
         self.metrics: dict = {}
-        tok_path = Path(tokenizer) if tokenizer else Path(model) / "tokenizer.json"
-        self.tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
+        tok_path = Path(tokenizer) if tokenizer else Path(model) / "tokenizer.json" if model else None
+        self.tokenizer = Tokenizer(tok_path) if tok_path is not None and tok_path.exists() else None
         if tokenizer and self.tokenizer is None:
             raise ValueError(f"tokenizer file {tokenizer!r} does not exist")
         if not tokenizer and gguf_file is not None:
@@ -141,11 +147,15 @@ class LLM:
         self.seed = seed
         self._requests = 0
 
-    def _set_speculation(self, speculative_config, rollback: str, max_num_seqs: int) -> None:
+    def _set_speculation(self, speculative_config, rollback: str, max_num_seqs: int, draft=None) -> None:
         spec = parse_speculative_config(speculative_config, target_model=self.model_path,
                                         target_has_mtp=self.model.mtp is not None)
         self.speculative_config = spec
-        draft = load_draft(spec, self.cfg, self.model.dtype) if spec is not None and spec.method in NEEDS_MODEL else None
+        if draft is not None and (spec is None or spec.method not in NEEDS_MODEL):
+            raise ValueError(f"a draft network was given but speculative method "
+                             f"{spec.method if spec else None!r} runs none; methods with one: {', '.join(NEEDS_MODEL)}")
+        if draft is None and spec is not None and spec.method in NEEDS_MODEL:
+            draft = load_draft(spec, self.cfg, self.model.dtype)
         cache_len = -(-self.max_model_len // CHUNK) * CHUNK
         plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg, cache_len, draft),
                                                   spec.num_speculative_tokens, rollback,
@@ -153,13 +163,17 @@ class LLM:
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
                              draft=draft)
 
-    def with_speculation(self, speculative_config, *, rollback: str = "replay") -> "LLM":
+    def with_speculation(self, speculative_config, *, rollback: str = "replay", draft=None) -> "LLM":
         """The same loaded weights with another speculative config (None: plain decoding), for
-        comparing methods without reloading. Compiled executables are per config."""
+        comparing methods without reloading. Compiled executables are per config.
+
+        draft: the method's drafter network already in memory (for example one made on the
+        device by `bench.models.random_drafter`), used in place of loading the config's `model`.
+        """
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
         other = copy.copy(self)
-        other._set_speculation(speculative_config, rollback, self.engine.max_num_seqs)
+        other._set_speculation(speculative_config, rollback, self.engine.max_num_seqs, draft)
         other.metrics, other._plain_engine = {}, None
         return other
 
@@ -294,8 +308,12 @@ class LLM:
                                jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys)
         do_sample = bool((temperature > 0).any()) if do_sample is None else do_sample
         inputs = [jnp.asarray(x) for x in (tokens, lengths, max_lengths, stop_ids)] + [sampling, jnp.asarray(done)]
-        reference = self._oracle_reference(inputs, do_sample) if self.engine.plan and isinstance(
-            self.engine.plan.proposer, (OracleProposer, OracleTokens)) else None
+        proposer = self.engine.plan.proposer if self.engine.plan else None
+        reference = None
+        if isinstance(proposer, SyntheticAcceptance):
+            reference = jnp.asarray(proposer.reference(B))
+        elif isinstance(proposer, (OracleProposer, OracleTokens)):
+            reference = self._oracle_reference(inputs, do_sample)
         state = self.engine.prefill(*inputs, jnp.asarray(speculate), reference, do_sample)
         return state, do_sample, stops
 
@@ -355,10 +373,13 @@ class LLM:
 
 def make_proposer(spec: SpeculativeConfig, cfg, cache_len: int, draft=None):
     """The proposer object for a parsed speculative config (draft: its loaded network, if any).
-    An `oracle_corruption_rate` on a drafter method wraps it in `OracleTokens` (benchmarks only)."""
+    An `oracle_corruption_rate` on a drafter method wraps it in `OracleTokens`, synthetic
+    rejection in `SyntheticAcceptance` (benchmarks only)."""
     proposer = method_proposer(spec, cfg, cache_len, draft)
     if spec.method != "oracle" and spec.oracle_corruption_rate is not None:
-        return OracleTokens(proposer, OracleProposer(proposer.k, spec.oracle_corruption_rate, cfg.vocab_size))
+        proposer = OracleTokens(proposer, OracleProposer(proposer.k, spec.oracle_corruption_rate, cfg.vocab_size))
+    if spec.rejection_sample_method == "synthetic":
+        proposer = SyntheticAcceptance(proposer, spec.synthetic_conditional_rates())
     return proposer
 
 

@@ -24,21 +24,28 @@ from spec_jax.checkpoint import abstract_model, is_stacked, param_sources
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
-def random_value(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """A random tensor whose distribution suits the parameter `name`."""
+def init_rule(name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
+    """How to draw the parameter `name`: ("normal", mean, std) or ("uniform", low, high), at
+    scales that keep activations O(1)."""
     if name.endswith("linear_attn.norm.weight"):
-        return rng.uniform(0.5, 1.5, shape)  # plain-weight gated norm, centred on 1
+        return "uniform", 0.5, 1.5  # plain-weight gated norm, centred on 1
     if name.endswith("norm.weight") or "norm_" in name:
-        return rng.normal(0.0, 0.3, shape)  # zero-centred norms: the model multiplies by 1 + w
+        return "normal", 0.0, 0.3  # zero-centred norms: the model multiplies by 1 + w
     if name.endswith("A_log"):
-        return rng.uniform(-1.0, 1.0, shape)
+        return "uniform", -1.0, 1.0
     if name.endswith("dt_bias"):
-        return rng.normal(0.0, 0.5, shape)
+        return "normal", 0.0, 0.5
     if name.endswith("conv1d.weight"):
-        return rng.normal(0.0, 0.5, shape)
+        return "normal", 0.0, 0.5
     if name.endswith("embed_tokens.weight"):
-        return rng.normal(0.0, 1.0, shape)
-    return rng.normal(0.0, shape[-1] ** -0.5, shape)  # [.., out, in]: std 1/sqrt(fan_in)
+        return "normal", 0.0, 1.0
+    return "normal", 0.0, shape[-1] ** -0.5  # [.., out, in]: std 1/sqrt(fan_in)
+
+
+def random_value(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A random tensor whose distribution suits the parameter `name` (`init_rule`)."""
+    kind, a, b = init_rule(name, shape)
+    return rng.uniform(a, b, shape) if kind == "uniform" else rng.normal(a, b, shape)
 
 
 def hf_config(cfg: Qwen3_5Config, *, vl_wrapped: bool) -> dict:
@@ -208,16 +215,13 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
     return out_dir
 
 
-def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path, *, layers: int = 5,
-                         block_size: int | None = None, layout: str | None = None, seed: int = 0,
-                         dtype: str = "bfloat16") -> Path:
-    """A random drafter of `method` that fits `target`, in its published layout.
+def random_drafter_config(method: str, target: Qwen3_5Config, *, layers: int = 5, block_size: int | None = None):
+    """The config of a random drafter of `method` that fits `target`.
 
-    dflash / dspark: `layers` layers of the target's width (z-lab's drafters have 5), block_size
-    (default 16 / 7),
-    five taps spread over the target; dspark's layout is "dspark" (native) or "speculators".
-    eagle3: one midlayer, three default taps, a draft vocabulary of up to 32000 tokens.
-    draft_model: a `layers`-layer Qwen3.5 of the target's geometry, without an MTP head.
+    dflash / dspark: a DFlashConfig of `layers` layers of the target's width (z-lab's drafters
+    have 5), block_size (default 16 / 7), five taps spread over the target.
+    eagle3: an Eagle3Config with one midlayer, three default taps, a draft vocabulary of up to
+    32000 tokens. draft_model: a `layers`-layer Qwen3.5 of the target's geometry, no MTP head.
     """
     from models.dflash import DFlashConfig
     from models.eagle3 import Eagle3Config
@@ -226,19 +230,29 @@ def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path
     heads = dict(num_attention_heads=max(H // 128, 1), num_key_value_heads=max(H // 512, 1), head_dim=min(H, 128))
     if method in ("dflash", "dspark"):
         taps = tuple(sorted({1, L // 4, L // 2, 3 * L // 4, L - 2}))
-        cfg = DFlashConfig(hidden_size=H, intermediate_size=3 * H, num_hidden_layers=layers, target_layer_ids=taps,
-                           mask_token_id=V - 1, block_size=block_size or (16 if method == "dflash" else 7), vocab_size=V,
-                           markov_rank=min(256, H) if method == "dspark" else 0,
-                           sample_from_anchor=method == "dspark", **heads)
+        return DFlashConfig(hidden_size=H, intermediate_size=3 * H, num_hidden_layers=layers, target_layer_ids=taps,
+                            mask_token_id=V - 1, block_size=block_size or (16 if method == "dflash" else 7),
+                            vocab_size=V, markov_rank=min(256, H) if method == "dspark" else 0,
+                            sample_from_anchor=method == "dspark", **heads)
+    if method == "eagle3":
+        return Eagle3Config(hidden_size=H, intermediate_size=3 * H, vocab_size=V, draft_vocab_size=min(32000, V),
+                            target_hidden_size=H, **heads).with_target(L, H)
+    if method == "draft_model":
+        return dataclasses.replace(target, num_hidden_layers=layers, layer_types=(), mtp_num_hidden_layers=0)
+    raise ValueError(f"no random drafter for method {method!r}; accepted: dflash, dspark, eagle3, draft_model")
+
+
+def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path, *, layers: int = 5,
+                         block_size: int | None = None, layout: str | None = None, seed: int = 0,
+                         dtype: str = "bfloat16") -> Path:
+    """A random drafter of `method` that fits `target` (`random_drafter_config`), in its published
+    layout; dspark's layout is "dspark" (native) or "speculators"."""
+    cfg = random_drafter_config(method, target, layers=layers, block_size=block_size)
+    if method in ("dflash", "dspark"):
         return write_dflash_checkpoint(out_dir, cfg, seed=seed, layout=layout or method)
     if method == "eagle3":
-        cfg = Eagle3Config(hidden_size=H, intermediate_size=3 * H, vocab_size=V, draft_vocab_size=min(32000, V),
-                           target_hidden_size=H, **heads).with_target(L, H)
         return write_eagle3_checkpoint(out_dir, cfg, seed=seed)
-    if method == "draft_model":
-        draft = dataclasses.replace(target, num_hidden_layers=layers, layer_types=(), mtp_num_hidden_layers=0)
-        return write_checkpoint(out_dir, draft, seed=seed, dtype=dtype)
-    raise ValueError(f"no random drafter for method {method!r}; accepted: dflash, dspark, eagle3, draft_model")
+    return write_checkpoint(out_dir, cfg, seed=seed, dtype=dtype)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,291 @@
+"""The engine at the scale users run it: Qwen3.6-27B or 35B-A3B geometry, random weights made on
+the device (`bench.models`), driven through `LLM.generate` as a user would.
+
+    python -m bench.scale --geometry 27b                       # plain decode, batch 1 and 8
+    python -m bench.scale --geometry 27b --profile             # + where a decode step's GPU time goes
+    python -m bench.scale --geometry 27b --layers 16 --layout stacked   # quick probe, another layout
+
+Per batch size it prints the time per decode step inside the engine's own on-device loop
+(second run of a 128-token prompt, `--new-tokens` greedy tokens), the weight bytes one step must
+read (`bench.models.streamed_bytes`) over that time, and the share of the HBM ceiling that is
+(4.3 TB/s, the H200's measured device-to-device copy, DESIGN.md). `--profile` traces `--steps`
+steps of `LLM.decode` and sums GPU time per kernel category and per kernel.
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.perf_counter()  # before jax is imported: cold start counts the imports too
+
+import argparse
+import dataclasses
+import json
+import pathlib
+
+import jax
+import numpy as np
+from flax import nnx
+
+from bench.models import (GEOMETRIES, geometry_config, nbytes, random_drafter, random_model, random_prompts,
+                          streamed_bytes)
+from bench.step_profile import busy_ns, summarize, trace_calls
+from models import qwen3_5
+from spec_jax import LLM, SamplingParams
+
+HBM_CEILING = 4.3e12  # B/s, H200 device-to-device copy measured here (DESIGN.md)
+MATMUL_CEILING = 660e12  # FLOP/s, H200 bf16 8192^3 matmul measured here (DESIGN.md)
+LAYOUTS = ("decode", "unfused", "stacked", "rolled")
+
+
+def use_layout(layout: str) -> None:
+    """A benchmark knob: "decode" is the engine's GPU default (`use_decode_layout`: unstacked,
+    unrolled, projections joined); "unfused" the same with every projection its own matmul;
+    "stacked" keeps the loaded [G, ...] stacks, unrolled; "rolled" keeps them under a rolled scan."""
+    if layout == "unfused":
+        qwen3_5.DecoderLayer.fuse_projections = lambda self: None
+    elif layout == "stacked":
+        qwen3_5.Qwen3_5Model.use_decode_layout = lambda self: None
+    elif layout == "rolled":
+        qwen3_5.UNROLL_LAYERS_ON_GPU = False
+
+
+def decode_rows(llm: LLM, batches, prompt_len: int, new_tokens: int, wbytes: int) -> list[dict]:
+    """Plain greedy generation per batch size: the first run compiles, the second is timed."""
+    rows = []
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for B in batches:
+        prompts = random_prompts(llm.cfg, B, prompt_len)
+        t = time.perf_counter()
+        llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        first_s = time.perf_counter() - t
+        m = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)[0].metrics
+        step_s = m["decode_s"] / (new_tokens - 1)
+        rows.append({"batch": B, "step_ms": 1e3 * step_s, "prefill_ms": 1e3 * m["prefill_s"],
+                     "weight_TB_s": wbytes / step_s / 1e12, "of_ceiling": wbytes / step_s / HBM_CEILING,
+                     "floor_ms": 1e3 * wbytes / HBM_CEILING, "first_run_s": first_s})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# The method table's rows: (speculative config, drafter network made on the device or None).
+METHODS = {
+    "mtp1": ({"method": "mtp", "num_speculative_tokens": 1}, None),
+    "mtp2": ({"method": "mtp", "num_speculative_tokens": 2}, None),
+    "mtp3": ({"method": "mtp", "num_speculative_tokens": 3}, None),
+    "ngram": ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}, None),
+    "dflash": ({"method": "dflash", "num_speculative_tokens": 15}, "dflash"),
+    "dspark": ({"method": "dspark", "num_speculative_tokens": 16}, "dspark"),
+    "eagle3": ({"method": "eagle3", "num_speculative_tokens": 3}, "eagle3"),
+    "draft_model": ({"method": "draft_model", "num_speculative_tokens": 3}, "draft_model"),
+}
+DRAFTER_BLOCK = {"dflash": 16, "dspark": 16}  # the table compares DFlash and DSpark at one block size
+
+
+def synthetic(config: dict, a: float) -> dict:
+    """`config` with vLLM's synthetic rejection at i.i.d. per-position acceptance a: drafts 1..i
+    are all accepted with probability a^i, the model the bound S assumes."""
+    k = config["num_speculative_tokens"]
+    return {**config, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rates": [a ** (i + 1) for i in range(k)]}
+
+
+def set_acceptance(llm: LLM, a: float) -> None:
+    """Dial a speculating `llm` to acceptance a without recompiling: the rates are prefill data
+    (`SyntheticAcceptance.reference`), so the compiled executables serve any rates."""
+    plan = llm.engine.plan
+    rates = (a,) * plan.k  # conditional: a at every position
+    llm.engine.plan = dataclasses.replace(plan, proposer=dataclasses.replace(plan.proposer, rates=rates))
+
+
+def bound(a: float, k: int, c: float) -> float:
+    """The speedup speculation can reach at i.i.d. acceptance a with k drafts whose step costs
+    (k c + 1) decode steps: S = (1 - a^(k+1)) / ((1 - a)(k c + 1))."""
+    tokens = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens / (k * c + 1)
+
+
+def repeated_prompts(cfg, batch: int, length: int, period: int = 32) -> list[list[int]]:
+    """Prompts that repeat a random `period`-token phrase, so ngram lookup finds matches."""
+    return [(p[:period] * (length // period + 1))[:length] for p in random_prompts(cfg, batch, period, seed=7)]
+
+
+def spec_rows(llm: LLM, name: str, batch: int, accept: list[float], prompt_len: int, new_tokens: int,
+              plain_step_ms: float) -> list[dict]:
+    """One method at one batch size: compile (first run, acceptance 0), then per acceptance a the
+    decode tokens/s, the speedup over spec off, the cost ratio c measured at a = 0 (every step
+    emits one token, so its time is (k c + 1) decode steps), the bound and the share reached."""
+    k = llm.engine.plan.k
+    prompts = (repeated_prompts if name == "ngram" else random_prompts)(llm.cfg, batch, prompt_len)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    rows, c = [], None
+    for i, a in enumerate([0.0, *accept]):
+        set_acceptance(llm, a)
+        t = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        first_s = time.perf_counter() - t
+        if i == 0:  # the first run compiled; time a second
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        m = outs[0].metrics
+        steps = m["batch_decode_steps"]
+        step_ms = 1e3 * m["decode_s"] / steps
+        tok_s = batch * (new_tokens - 1) / m["decode_s"]
+        plain_tok_s = batch / (plain_step_ms / 1e3)
+        drafted_steps = sum(o.metrics["num_drafts"] for o in outs) / (batch * steps)
+        mal = float(np.mean([o.metrics["mean_acceptance_length"] for o in outs]))
+        if i == 0:
+            c = (step_ms / plain_step_ms - 1) / k
+            row = {"first_run_s": first_s}
+        else:
+            s_bound = bound(a, k, c)
+            row = {"bound": s_bound, "of_bound": (tok_s / plain_tok_s) / s_bound}
+        rows.append({"method": name, "batch": batch, "k": k, "acceptance": a, "step_ms": step_ms, "tok_s": tok_s,
+                     "speedup": tok_s / plain_tok_s, "c": c, "mean_acceptance_length": mal,
+                     "steps_with_drafts": drafted_steps, **row})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def method_memory(llm: LLM, draft) -> dict:
+    """Device bytes a method adds: its drafter's weights and its per-row state (one-row prefill)."""
+    state = llm.prefill([[1, 2, 3]], SamplingParams(max_tokens=4))
+    return {"draft_weights_GB": nbytes(nnx.state(draft)) / 1e9 if draft is not None else 0.0,
+            "proposer_state_GB_per_row": nbytes(state.proposer) / 1e9}
+
+
+def first_token(llm: LLM, prompt_len: int) -> dict:
+    """Seconds from the process start (imports included) to the first generated token of one
+    request, the compilation of every executable `generate` runs included."""
+    t = time.perf_counter()
+    llm.generate(prompt_token_ids=random_prompts(llm.cfg, 1, prompt_len),
+                 sampling_params=SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    return {"compile_and_first_token_s": time.perf_counter() - t, "since_process_start_s": time.perf_counter() -
+            PROCESS_START}
+
+
+def ttft_rows(model, lengths: list[int]) -> list[dict]:
+    """Prefill time of one prompt of each length (second run), against the compute floor
+    2 x params x tokens at the measured bf16 matmul rate (DESIGN.md). Its own LLM, so the decode
+    figures keep their short cache."""
+    llm = LLM(model=model, max_model_len=max(lengths) + 64, max_num_seqs=1)
+    params_count = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+    rows = []
+    for n in lengths:
+        prompts = random_prompts(llm.cfg, 1, n)
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        llm.generate(prompt_token_ids=prompts, sampling_params=one, use_tqdm=False)
+        m = llm.generate(prompt_token_ids=prompts, sampling_params=one, use_tqdm=False)[0].metrics
+        floor = 2 * params_count * n / MATMUL_CEILING
+        rows.append({"prompt_tokens": n, "ttft_s": m["prefill_s"], "floor_s": floor,
+                     "of_floor": floor / m["prefill_s"]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
+    """GPU time per decode step inside the engine's loop, by category and by kernel."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    state = llm.prefill(random_prompts(llm.cfg, batch, prompt_len), params)
+    state = llm.decode(state, 2)  # compiled already by generate; warm
+    holder = [state]
+
+    def run():
+        holder[0] = llm.decode(holder[0], steps)
+        return holder[0].tokens
+
+    events, source, wall_ms = trace_calls(run, (), 1)
+    out = summarize(events, steps)
+    out["busy_ms_per_step"] = busy_ns(events) / steps / 1e6
+    out["traced_wall_ms_per_step"] = wall_ms / steps
+    return out
+
+
+def print_profile(prof: dict, top: int = 20) -> None:
+    print(f"profile: busy {prof['busy_ms_per_step']:.2f} ms/step, kernel sum {prof['kernel_ms_per_call']:.2f} ms, "
+          f"{prof['kernels_per_call']:.0f} kernels/step")
+    for cat, c in prof["categories"].items():
+        print(f"  {cat:<8} {c['us_per_call'] / 1e3:8.2f} ms {c['count_per_call']:7.1f} kernels")
+    for k in prof["kernels"][:top]:
+        print(f"  {k['us_per_call']:9.1f} us {k['count_per_call']:6.1f}x  {k['category']:<7} {k['name'][:100]}")
+
+
+def print_methods(result: dict) -> None:
+    """The method table: per method, batch and acceptance, tokens/s, speedup, c, bound, share."""
+    if not result["methods"]:
+        return
+    print(f"{'method':<12} {'B':>2} {'k':>2} {'a':>5} {'tok/s':>8} {'speedup':>8} {'c':>6} {'bound':>6} "
+          f"{'of bound':>8} {'acc len':>7}")
+    for r in result["methods"]:
+        if r["acceptance"] == 0.0:
+            continue
+        print(f"{r['method']:<12} {r['batch']:>2} {r['k']:>2} {r['acceptance']:>5.2f} {r['tok_s']:>8.1f} "
+              f"{r['speedup']:>7.2f}x {r['c']:>6.3f} {r['bound']:>5.2f}x {r['of_bound']:>7.1%} "
+              f"{r['mean_acceptance_length']:>7.2f}")
+    for name, mem in result["memory"].items():
+        print(f"{name}: drafter {mem['draft_weights_GB']:.2f} GB, "
+              f"state {mem['proposer_state_GB_per_row']:.3f} GB a row")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--geometry", default="27b", choices=GEOMETRIES)
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many layers (quick probes)")
+    ap.add_argument("--layout", default="decode", choices=LAYOUTS)
+    ap.add_argument("--batch", type=int, nargs="*", default=[1, 8], help="plain decode (and method) batch sizes")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps traced by --profile")
+    ap.add_argument("--methods", nargs="*", default=[], choices=METHODS,
+                    help="speculative methods to table (synthetic acceptance, drafters made on the device)")
+    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.6, 0.85])
+    ap.add_argument("--first-token", action="store_true",
+                    help="first: time from the process start to one request's first token (run it twice to see "
+                         "the persistent compilation cache; SPEC_JAX_XLA_CACHE names its folder)")
+    ap.add_argument("--ttft", type=int, nargs="*", default=[], help="prefill times at these prompt lengths")
+    ap.add_argument("--json", default=None, help="write every result here (rewritten after each method)")
+    args = ap.parse_args()
+
+    use_layout(args.layout)
+    cfg = geometry_config(args.geometry, args.layers)
+    t = time.perf_counter()
+    model = random_model(cfg)
+    result = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "layout": args.layout,
+              "device": jax.devices()[0].device_kind, "weights_made_s": time.perf_counter() - t}
+    save = lambda: args.json and pathlib.Path(args.json).write_text(json.dumps(result, indent=1))  # noqa: E731
+    llm = LLM(model=model, max_model_len=args.prompt_len + args.new_tokens + 64,
+              max_num_seqs=max(args.batch, default=1))
+    if args.first_token:
+        result["first_token"] = first_token(llm, args.prompt_len)
+        print(json.dumps(result["first_token"]), flush=True)
+    result["streamed_bytes"] = wbytes = streamed_bytes(model)
+    print(f"{args.geometry}, {cfg.num_hidden_layers} layers, layout {args.layout}: {wbytes / 1e9:.2f} GB read a "
+          f"step, floor {1e3 * wbytes / HBM_CEILING:.2f} ms at {HBM_CEILING / 1e12:.1f} TB/s", flush=True)
+    result["decode"] = decode_rows(llm, args.batch, args.prompt_len, args.new_tokens, wbytes) if args.batch else []
+    if args.profile:
+        result["profile"] = profile_decode(llm, args.batch[0], args.prompt_len, args.steps)
+        print_profile(result["profile"])
+    save()
+    save()
+    plain_ms = {row["batch"]: row["step_ms"] for row in result["decode"]}
+    result["methods"], result["memory"] = [], {}
+    for name in args.methods:
+        config, drafter = METHODS[name]
+        draft = random_drafter(drafter, cfg, block_size=DRAFTER_BLOCK.get(name)) if drafter else None
+        config = {**config, "model": "random, made on the device"} if drafter else config
+        spec = llm.with_speculation(synthetic(config, 0.0), draft=draft)
+        result["memory"][name] = method_memory(spec, draft)
+        for B in args.batch:
+            result["methods"] += spec_rows(spec, name, B, args.acceptance, args.prompt_len, args.new_tokens,
+                                           plain_ms[B])
+            save()
+        del spec, draft
+    print_methods(result)
+    if args.ttft:
+        del llm
+        result["ttft"] = ttft_rows(model, args.ttft)
+        save()
+
+
+if __name__ == "__main__":
+    main()
