@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +72,52 @@ class OracleTokens:
     def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
         inner_state, reference = state
         return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), reference
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticAcceptance:
+    """vLLM's "synthetic" rejection (benchmarks): the inner proposer drafts at its full cost and
+    the target verifies its drafts in the usual pass, but draft i is accepted with a dialled
+    probability (given that the drafts before it were) instead of by comparison with the target;
+    the token after the accepted drafts is the target's own. Every cache and the inner proposer
+    commit what was accepted, as in a real run, so a method's speed at any acceptance can be
+    measured before its drafter is trained, and no near-tie can knock the run off its rate.
+
+    The engine accepts by `spec_jax.sampling.accept_synthetic` when its proposer is this. The
+    conditional rates reach the device at prefill as data (`reference` [B, k]), not as
+    constants, so one executable serves every rate.
+    """
+
+    inner: Any
+    rates: tuple[float, ...]  # conditional acceptance probability per draft position
+
+    @property
+    def k(self) -> int:
+        return self.inner.k
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return getattr(self.inner, "taps", ())
+
+    def reference(self, batch: int) -> np.ndarray:
+        """The prefill input: the rates of every row, [batch, k] float32."""
+        return np.tile(np.asarray(self.rates, np.float32), (batch, 1))
+
+    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None):
+        if reference is None:
+            raise ValueError("synthetic acceptance needs its rates at prefill (SyntheticAcceptance.reference)")
+        return self.inner.init_state(model, draft, tokens, lengths, target, choose), reference
+
+    def propose(self, model, draft, state, tokens, lengths, choose):
+        inner_state, rates = state
+        drafts, n_draft, q, inner_state = self.inner.propose(model, draft, inner_state, tokens, lengths, choose)
+        return drafts, n_draft, q, (inner_state, rates)
+
+    def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
+        inner_state, rates = state
+        return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), rates
+
+    @staticmethod
+    def rates_of(state) -> jax.Array:
+        """The rates [B, k] kept in the state (the engine's `accept_synthetic` reads them)."""
+        return state[1]

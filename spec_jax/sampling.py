@@ -120,3 +120,23 @@ def accept_drafts(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, draf
     sampled_row = params.temperature > 0
     n_acc = jnp.where(sampled_row, n_sampled, n_greedy)
     return n_acc, jnp.where(sampled_row[:, None], emitted, argmax)
+
+
+SYNTHETIC_STREAM = 3  # key stream of synthetic acceptance (0: sampling, 1-2: verification, drafting)
+
+
+def accept_synthetic(rates: jax.Array, logits: jax.Array, drafts: jax.Array, n_draft: jax.Array,
+                     params: RowSampling, positions: jax.Array, *, do_sample: bool) -> tuple[jax.Array, jax.Array]:
+    """vLLM's "synthetic" rejection, for benchmarks: draft i is accepted with probability
+    rates [B, k] (given that the drafts before it were), whatever the target says; the token
+    after the accepted drafts is the target's (argmax, or a draw for sampled rows). Other
+    arguments and the results as `accept_drafts`."""
+    B, k = drafts.shape
+    keys = jax.vmap(lambda key, p: jax.random.fold_in(jax.random.fold_in(key, p), SYNTHETIC_STREAM))(
+        params.key, positions)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(keys)
+    ok = (u < rates) & (jnp.arange(k)[None, :] < n_draft[:, None])
+    n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    after = sample_tokens(logits[jnp.arange(B), n_acc], params, positions + n_acc, do_sample=do_sample)
+    padded = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+    return n_acc, jnp.where(jnp.arange(k + 1)[None, :] < n_acc[:, None], padded, after[:, None])

@@ -31,7 +31,7 @@ NEEDS_MODEL = ("draft_model", "eagle3", "dflash", "dspark")  # methods whose dra
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
-IMPLEMENTED_REJECTION_SAMPLE_METHODS = ("standard",)
+IMPLEMENTED_REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 MTP_N_PREDICT = 1  # Qwen3.5 / 3.6 / Qwen3-Next ship one MTP layer: k defaults to it
 # The MTP alias vLLM derives from each target model_type we load.
 TARGET_MTP_ALIAS = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_moe": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp",
@@ -47,8 +47,17 @@ class SpeculativeConfig:
 
     Acted on: `method` (canonical, aliases folded), `num_speculative_tokens` (k >= 1), `model`,
     `prompt_lookup_min/max` (ngram window; both default to 5, one given copies to the other),
-    `draft_sample_method`, `rejection_sample_method` and our own `oracle_corruption_rate`.
-    Every field after `oracle_corruption_rate` is accepted for vLLM compatibility and ignored.
+    `draft_sample_method`, `rejection_sample_method`, our own `oracle_corruption_rate`, and
+    `synthetic_acceptance_rates` / `synthetic_acceptance_length`. Every field after those is
+    accepted for vLLM compatibility and ignored.
+
+    `rejection_sample_method` "synthetic" (vLLM's benchmarking mode) accepts drafts at a dialled
+    rate instead of by comparing them with the target: `synthetic_acceptance_rates` lists, per
+    draft position i, the probability that drafts 1..i+1 are all accepted (k values in [0, 1],
+    non-increasing), or `synthetic_acceptance_length` asks for a mean acceptance length in
+    [1, k + 1] (resolved as vLLM does: full acceptance up to it, the fraction at the next
+    position). The drafter and the verify pass run at their full cost; the token after the
+    accepted drafts is the target's own. Output is then not the target's: measure speed only.
 
     Method "oracle" is ours and for benchmarks only: it proposes the tokens the target itself
     would produce, each replaced by a wrong token with probability `oracle_corruption_rate`, so
@@ -65,6 +74,8 @@ class SpeculativeConfig:
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
     oracle_corruption_rate: float | None = None  # None: 0.0 for method oracle, off for the others
+    synthetic_acceptance_rates: tuple | None = None
+    synthetic_acceptance_length: float | None = None
     # ---- vLLM fields accepted and ignored
     enforce_eager: bool | None = None
     draft_tensor_parallel_size: int | None = None
@@ -87,8 +98,6 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     draft_load_config: dict | None = None
-    synthetic_acceptance_rates: tuple | None = None
-    synthetic_acceptance_length: float | None = None
     enable_adaptive_verification: bool = False
     dspark_draft_topk: int | None = None
     speculative_token_tree: str | None = None  # older vLLM releases
@@ -109,12 +118,43 @@ class SpeculativeConfig:
             object.__setattr__(self, "oracle_corruption_rate", rate := 0.0)
         if rate is not None and not 0.0 <= rate <= 1.0:
             raise ValueError(f"oracle_corruption_rate must be in [0, 1], got {rate}")
+        self._resolve_synthetic_rates()
 
     def __repr__(self) -> str:
         """Only the method, k and the fields that differ from their defaults."""
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
                  if f.name in ("method", "num_speculative_tokens") or getattr(self, f.name) != f.default]
         return f"SpeculativeConfig({', '.join(shown)})"
+
+    def _resolve_synthetic_rates(self) -> None:
+        """Check the synthetic acceptance fields against rejection_sample_method and k; a length
+        becomes its rates (all 1 up to the length, then its fraction, then 0)."""
+        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
+        k = self.num_speculative_tokens
+        if self.rejection_sample_method != "synthetic":
+            if rates is not None or length is not None:
+                raise ValueError("synthetic_acceptance_rates / synthetic_acceptance_length need "
+                                 "rejection_sample_method 'synthetic'")
+            return
+        if (rates is None) == (length is None):
+            raise ValueError("rejection_sample_method 'synthetic' needs exactly one of synthetic_acceptance_rates "
+                             "and synthetic_acceptance_length")
+        if length is not None:
+            if not 1.0 <= length <= k + 1:
+                raise ValueError(f"synthetic_acceptance_length must be in [1, num_speculative_tokens + 1 = {k + 1}], "
+                                 f"got {length}")
+            rates = tuple(min(max(length - 1 - i, 0.0), 1.0) for i in range(k))
+        if len(rates) != k or not all(isinstance(r, (int, float)) and 0.0 <= r <= 1.0 for r in rates):
+            raise ValueError(f"synthetic_acceptance_rates must be num_speculative_tokens = {k} numbers in [0, 1], "
+                             f"got {list(rates)}")
+        if any(b > a for a, b in zip(rates, rates[1:])):
+            raise ValueError(f"synthetic_acceptance_rates must be non-increasing, got {list(rates)}")
+        object.__setattr__(self, "synthetic_acceptance_rates", tuple(float(r) for r in rates))
+
+    def synthetic_conditional_rates(self) -> tuple[float, ...]:
+        """Per position, the probability that draft i is accepted given drafts before it were."""
+        rates = self.synthetic_acceptance_rates
+        return tuple(r if i == 0 else (r / rates[i - 1] if rates[i - 1] > 0 else 0.0) for i, r in enumerate(rates))
 
     def _resolve_lookup_window(self) -> None:
         """Check prompt_lookup_min/max >= 1; for ngram fill them in (5/5, or one copies the other)."""
@@ -134,7 +174,8 @@ class SpeculativeConfig:
 
 
 ACTED_FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-                "draft_sample_method", "rejection_sample_method", "oracle_corruption_rate")
+                "draft_sample_method", "rejection_sample_method", "oracle_corruption_rate",
+                "synthetic_acceptance_rates", "synthetic_acceptance_length")
 IGNORED_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name not in ACTED_FIELDS)
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
 ACCEPTED_METHODS = (*VLLM_METHODS, *OUR_METHODS, *METHOD_ALIASES)
