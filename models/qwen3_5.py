@@ -270,18 +270,20 @@ def scan_layers(body, init, xs):
     return jax.lax.scan(body, init, xs, unroll=unroll_layers())
 
 
-def unstack_layers(stacked: nnx.List) -> nnx.List:
-    """Modules whose parameters are stacked over G repeats [G, ...] -> G nnx.Lists of the same
-    modules, each repeat's parameters arrays of their own.
+def unstack_layers(owner: nnx.Module, name: str) -> nnx.List:
+    """Take the modules `owner.<name>`, whose parameters are stacked over G repeats [G, ...], out
+    of `owner` (the attribute becomes None) and return them as G nnx.Lists of the same modules,
+    each repeat's parameters arrays of their own.
 
     Inside the decode `while_loop` XLA copies a weight sliced out of a stack before the matmul
     that reads it, every step, even when the slice is static; a weight that is a whole array is
-    read in place. Each stacked array is released once sliced (when nothing else holds it), so
-    the peak is the model plus one parameter.
+    read in place. This function holds the only reference to the stacks and drops each one once
+    sliced, so the peak is the model plus one parameter (when nothing else holds the stacks).
     """
-    gdef, state = nnx.split(stacked)
+    gdef, state = nnx.split(getattr(owner, name))
+    setattr(owner, name, None)
     leaves, treedef = jax.tree.flatten(state)
-    del stacked, state
+    del state
     G = leaves[0].shape[0]
     groups = [[] for _ in range(G)]
     for i in range(len(leaves)):
@@ -418,9 +420,26 @@ def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float
     return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
 
 
+# Queries attended at once: the scores of a long prompt ([T, S] per head, float32) would not fit
+# (a 16k-token prompt at 27B asks for 24 GiB), so longer ones run in blocks of this many rows.
+QUERY_BLOCK = 1024
+
+
 def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
     """GQA attention with an explicit mask. q: [B, T, nq, d]; k, v: [B, S, nkv, d]; visible:
-    [B, T, S] bool. Returns [B, T, nq, d]."""
+    [B, T, S] bool. Returns [B, T, nq, d]. Past QUERY_BLOCK queries, block by block (each query's
+    softmax is its own, so the result is the same)."""
+    B, T = q.shape[:2]
+    if T <= QUERY_BLOCK or T % QUERY_BLOCK:
+        return attend_block(q, k, v, visible)
+    n = T // QUERY_BLOCK
+    blocks = lambda x: jnp.moveaxis(x.reshape(B, n, QUERY_BLOCK, *x.shape[2:]), 1, 0)  # noqa: E731
+    out = jax.lax.map(lambda qv: attend_block(qv[0], k, v, qv[1]), (blocks(q), blocks(visible)))
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+
+
+def attend_block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """`attend_masked` over all queries at once."""
     B, T, nq, d = q.shape
     nkv = k.shape[2]
     qg = q.reshape(B, T, nkv, nq // nkv, d)
@@ -706,8 +725,7 @@ class MTPHead(nnx.Module):
         """The block's weights as arrays of their own, projections joined (see
         `Qwen3_5Model.use_decode_layout`)."""
         if self.layer is None:
-            stacked, self.layers = self.layers, None
-            self.layer = unstack_layers(stacked)[0][0]
+            self.layer = unstack_layers(self, "layers")[0][0]
             self.layer.fuse_projections()
 
     def __call__(self, embedded_next, hidden, batch: Batch, cache: KVCache, kv_len: int):
@@ -749,8 +767,7 @@ class Qwen3_5Model(nnx.Module):
         (`fuse_linears`). Loaders and converters read and write the stacked layout; the engine
         calls this on the GPU. In place; a second call does nothing."""
         if self.groups is None:
-            stacked, self.layers = self.layers, None
-            self.groups = unstack_layers(stacked)
+            self.groups = unstack_layers(self, "layers")
             for layers in self.groups:
                 for layer in layers:
                     layer.fuse_projections()

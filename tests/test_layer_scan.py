@@ -2,9 +2,20 @@
 own, layers unrolled) and other models' layer scans unrolled; forced on here, the unstacked target,
 its MTP head and the speculative step reproduce the rolled model's greedy output."""
 
-from conftest import assert_greedy_equals_plain
+import dataclasses
+import gc
+import weakref
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY, assert_greedy_equals_plain
+from flax import nnx
+
+from bench.models import geometry_config, random_model, streamed_bytes
 from models import qwen3_5
+from models.qwen3_5 import Batch, Qwen3_5Config
 from spec_jax import LLM, engine
 
 
@@ -19,3 +30,70 @@ def test_unrolled_layers_reproduce_the_rolled_model(monkeypatch, tiny_dir, plain
     assert llm.model.layers is None and len(llm.model.groups) == llm.cfg.num_groups  # the decode layout
     assert llm.model.mtp.layer is not None
     assert_greedy_equals_plain(llm, plain_greedy)
+
+
+def layout_config(moe: bool) -> Qwen3_5Config:
+    extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=48) if moe else {}
+    return dataclasses.replace(TINY, **extra)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_decode_layout_keeps_the_outputs_and_releases_the_stacks(moe):
+    """Unstacked, projections joined: the same logits for a prompt, a decode step and a verify
+    pass with rollback as the loaded (stacked) model, and no stacked array left alive."""
+    cfg = layout_config(moe)
+    model = random_model(cfg, "float32", verbose=False)
+    stacked_weight = model.layers[0].linear_attn.in_proj_qkv.weight[...]
+    probe = weakref.ref(stacked_weight)
+    del stacked_weight
+    prompt = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+
+    def run(m):
+        gdef, state = nnx.split(m)
+        return jax.jit(lambda state: passes(nnx.merge(gdef, state)))(state)
+
+    def passes(m):
+        cache = m.init_cache(2, 32)
+        hidden, cache = m(prompt, Batch(jnp.zeros(2, jnp.int32), jnp.array([9, 6])), cache, kv_len=32)
+        step, cache = m(prompt[:, :1], Batch(jnp.array([9, 6]), jnp.ones(2, jnp.int32)), cache, kv_len=32)
+        verify, _, pending = m(prompt[:, :3], Batch(jnp.array([10, 7]), jnp.array([3, 2])), cache, kv_len=32,
+                               rollback="replay")
+        committed = m.commit(cache, pending, jnp.array([2, 1]))
+        return [m.logits(h) for h in (hidden, step, verify)] + jax.tree.leaves(committed)
+
+    before = run(model)
+    model.use_decode_layout()
+    gc.collect()
+    assert probe() is None  # the stack was released, not kept beside the new arrays
+    assert model.layers is None and len(model.groups) == cfg.num_groups
+    joined = model.groups[0][0].linear_attn
+    assert joined.in_proj_qkv is None and joined.fused.weight.shape[0] == sum(joined.fused_sizes)
+    # float32; a joined matmul sums in another order than three separate ones
+    for a, b in zip(before, run(model)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_bench_geometries_build_and_count_their_bytes():
+    """bench.models: a geometry cut to a few layers builds on the device with every parameter
+    random (norm weights too), and streamed_bytes leaves out the MTP head and the untied embedding."""
+    cfg = geometry_config("tiny", layers=4)
+    assert cfg.num_hidden_layers == 4 and cfg.layer_types[-1] == "full_attention"
+    model = random_model(dataclasses.replace(cfg, tie_word_embeddings=False), "float32", verbose=False)
+    norm = np.asarray(model.layers[0].input_layernorm.weight[...])
+    assert norm.std() > 0.1  # random, not the constant a (1 + w) bug hides behind
+    leaves = nnx.to_flat_state(nnx.state(model))
+    total = sum(v[...].nbytes for _, v in leaves)
+    skipped = sum(v[...].nbytes for path, v in leaves if path[0] in ("mtp", "embed_tokens"))
+    assert streamed_bytes(model) == total - skipped
+
+
+def test_long_prompts_attend_in_query_blocks(monkeypatch):
+    """Past QUERY_BLOCK queries attention runs block by block, with the same result."""
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 64, n, 16)), jnp.float32) for n in (4, 2, 2))
+    visible = jnp.asarray(rng.random((2, 64, 64)) < 0.7)
+    whole = qwen3_5.attend_masked(q, k, v, visible)
+    monkeypatch.setattr(qwen3_5, "QUERY_BLOCK", 16)
+    np.testing.assert_allclose(np.asarray(qwen3_5.attend_masked(q, k, v, visible)), np.asarray(whole),
+                               rtol=1e-6, atol=1e-6)
