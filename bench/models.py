@@ -13,6 +13,7 @@ missing `1 + w` cannot hide) and the activations stay O(1) through 64 layers.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from functools import partial
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import qwen3_5
 from models.qwen3_5 import Linear, Qwen3_5Config, Qwen3_5Model, quantize_linears
 from spec_jax.checkpoint import param_sources
 from spec_jax.random_checkpoint import init_rule, random_drafter_config
@@ -148,3 +150,19 @@ def streamed_bytes(model: Qwen3_5Model) -> int:
 def random_prompts(cfg: Qwen3_5Config, batch: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, cfg.vocab_size, length).tolist() for _ in range(batch)]
+
+
+class RolledLayers(argparse.Action):
+    """Keep the layer scan rolled on the GPU too (models.qwen3_5.scan_layers) and the loaded stacked
+    layout, to compare."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, help=self.__doc__, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        qwen3_5.UNROLL_LAYERS_ON_GPU = False
+
+
+def layer_scan() -> str:
+    """How the layers run on this backend: "unrolled" (the decode layout) or "rolled"."""
+    return "unrolled" if qwen3_5.unroll_layers() else "rolled"

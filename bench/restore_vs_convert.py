@@ -21,7 +21,7 @@ import time
 import jax
 from flax import nnx
 
-from bench.plain_decode import GEOMETRIES, geometry_config
+from bench.models import GEOMETRIES, geometry_config
 from pallas_kernels.quant_matmul import FORMATS
 from spec_jax.checkpoint import load_model
 from spec_jax.checkpoint_quant import quantize_projections

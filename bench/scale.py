@@ -4,6 +4,9 @@ the device (`bench.models`), driven through `LLM.generate` as a user would.
     python -m bench.scale --geometry 27b                       # plain decode, batch 1 and 8
     python -m bench.scale --geometry 27b --profile             # + where a decode step's GPU time goes
     python -m bench.scale --geometry 27b --layers 16 --layout stacked   # quick probe, another layout
+    python -m bench.scale --geometry 0.8b --quantization nvfp4          # any geometry, any weight format
+    python -m bench.scale --geometry 27b --batch 1 --methods mtp1 dflash # the method table (see spec_rows)
+    python -m bench.scale --geometry 27b --batch --first-token --ttft 4096 16384   # compile time, prefill
 
 Per batch size it prints the time per decode step inside the engine's own on-device loop
 (second run of a 128-token prompt, `--new-tokens` greedy tokens), the weight bytes one step must
@@ -31,6 +34,7 @@ from bench.models import (GEOMETRIES, geometry_config, nbytes, random_drafter, r
                           streamed_bytes)
 from bench.step_profile import busy_ns, summarize, trace_calls
 from models import qwen3_5
+from pallas_kernels.quant_matmul import FORMATS
 from spec_jax import LLM, SamplingParams
 
 HBM_CEILING = 4.3e12  # B/s, H200 device-to-device copy measured here (DESIGN.md)
@@ -168,10 +172,12 @@ def first_token(llm: LLM, prompt_len: int) -> dict:
 
 def ttft_rows(model, lengths: list[int]) -> list[dict]:
     """Prefill time of one prompt of each length (second run), against the compute floor
-    2 x params x tokens at the measured bf16 matmul rate (DESIGN.md). Its own LLM, so the decode
+    2 x decoder-layer params x tokens at the measured bf16 matmul rate (DESIGN.md): prefill runs
+    every layer over every token, the lm_head over the last one only. Its own LLM, so the decode
     figures keep their short cache."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]
+    params_count = sum(x.size for path, x in flat if path[0].key in ("layers", "groups"))
     llm = LLM(model=model, max_model_len=max(lengths) + 64, max_num_seqs=1)
-    params_count = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     rows = []
     for n in lengths:
         prompts = random_prompts(llm.cfg, 1, n)
@@ -234,6 +240,8 @@ def main() -> None:
     ap.add_argument("--geometry", default="27b", choices=GEOMETRIES)
     ap.add_argument("--layers", type=int, default=None, help="keep only this many layers (quick probes)")
     ap.add_argument("--layout", default="decode", choices=LAYOUTS)
+    ap.add_argument("--quantization", choices=FORMATS, default=None,
+                    help="every decoder projection in this weight-only format (quantized on the device)")
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 8], help="plain decode (and method) batch sizes")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -255,7 +263,7 @@ def main() -> None:
     use_layout(args.layout)
     cfg = geometry_config(args.geometry, args.layers)
     t = time.perf_counter()
-    model = random_model(cfg)
+    model = random_model(cfg, quantization=args.quantization)
     result = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "layout": args.layout,
               "device": jax.devices()[0].device_kind, "weights_made_s": time.perf_counter() - t}
     save = lambda: args.json and pathlib.Path(args.json).write_text(json.dumps(result, indent=1))  # noqa: E731

@@ -10,23 +10,22 @@ prefill. "step ms" is the decode time over the batch's decode steps; the speedup
 drafter that costs nothing is mean acceptance length x (plain step ms / spec step ms).
 The oracle method proposes the target's own greedy continuation corrupted at a chosen rate
 (benchmarks only), so speed is measured at a controlled acceptance without trained weights.
-A drafter method with `"model": "random"` gets a random drafter fitted to the target
-(`spec_jax.random_checkpoint.write_random_drafter`), which measures the drafting cost at (near) zero acceptance.
+A drafter method with `"model": "random"` gets a random drafter fitted to the target, made on the
+device (`bench.models.random_drafter`), which measures the drafting cost at (near) zero acceptance;
+without --model the target is a random --geometry model made on the device (`bench.models`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 
 import jax
 import numpy as np
 
-from bench.plain_decode import GEOMETRIES, geometry_config
+from bench.models import GEOMETRIES, geometry_config, random_drafter, random_model
 from spec_jax import LLM, SamplingParams
-from spec_jax.random_checkpoint import write_checkpoint, write_random_drafter
 
 
 def measure(llm: LLM, prompts, params) -> dict:
@@ -56,39 +55,38 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="append the result rows to this file")
     args = ap.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            model_dir = str(write_checkpoint(tmp, geometry_config(args.geometry), dtype="bfloat16"))
-        base = LLM(model=model_dir, dtype=args.dtype, max_num_seqs=max(args.batch),
-                   max_model_len=args.prompt_len + args.new_tokens + 64)
-        params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-        rng = np.random.default_rng(0)
-        if args.prompts:
-            lines = [line.strip() for line in open(args.prompts) if line.strip()]
-            pool = [base.tokenizer.encode(line)[: args.prompt_len] for line in lines]
-        else:
-            pool = [rng.integers(0, base.cfg.vocab_size, args.prompt_len).tolist() for _ in range(max(args.batch))]
-        rows = []
-        for B in args.batch:
-            prompts = [pool[i % len(pool)] for i in range(B)]
-            plain = measure(base, prompts, params)
-            print(json.dumps({"batch": B, "spec": None, **plain}), flush=True)
-            for spec in args.spec:
-                parsed = json.loads(spec)
-                if parsed.get("model") == "random":
-                    parsed["model"] = str(write_random_drafter(parsed["method"], base.cfg, f"{tmp}/{parsed['method']}"))
-                    spec = json.dumps(parsed)
-                for rollback in args.rollback:
-                    t = time.perf_counter()
-                    r = measure(base.with_speculation(spec, rollback=rollback), prompts, params)
-                    r.update(batch=B, spec=json.loads(spec), rollback=rollback, device=jax.devices()[0].device_kind,
-                             speedup=r["decode_tok_s"] / plain["decode_tok_s"],
-                             verify_over_decode_step=r["step_ms"] / plain["step_ms"],
-                             free_draft_bound=r.get("mean_acceptance_length", 1.0) * plain["step_ms"] / r["step_ms"],
-                             plain_tok_s=plain["decode_tok_s"], wall_s=time.perf_counter() - t)
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    target = args.model or random_model(geometry_config(args.geometry), dtype)
+    base = LLM(model=target, dtype=args.dtype, max_num_seqs=max(args.batch),
+               max_model_len=args.prompt_len + args.new_tokens + 64)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    if args.prompts:
+        lines = [line.strip() for line in open(args.prompts) if line.strip()]
+        pool = [base.tokenizer.encode(line)[: args.prompt_len] for line in lines]
+    else:
+        pool = [rng.integers(0, base.cfg.vocab_size, args.prompt_len).tolist() for _ in range(max(args.batch))]
+    drafters = {}
+    rows = []
+    for B in args.batch:
+        prompts = [pool[i % len(pool)] for i in range(B)]
+        plain = measure(base, prompts, params)
+        print(json.dumps({"batch": B, "spec": None, **plain}), flush=True)
+        for spec in args.spec:
+            parsed = json.loads(spec)
+            draft = None
+            if parsed.get("model") == "random":
+                draft = drafters.setdefault(spec, random_drafter(parsed["method"], base.cfg))
+            for rollback in args.rollback:
+                t = time.perf_counter()
+                r = measure(base.with_speculation(spec, rollback=rollback, draft=draft), prompts, params)
+                r.update(batch=B, spec=parsed, rollback=rollback, device=jax.devices()[0].device_kind,
+                         speedup=r["decode_tok_s"] / plain["decode_tok_s"],
+                         verify_over_decode_step=r["step_ms"] / plain["step_ms"],
+                         free_draft_bound=r.get("mean_acceptance_length", 1.0) * plain["step_ms"] / r["step_ms"],
+                         plain_tok_s=plain["decode_tok_s"], wall_s=time.perf_counter() - t)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.profiler import ProfileData
 
-from bench.plain_decode import GEOMETRIES, RolledLayers, layer_scan
+from bench.models import GEOMETRIES, RolledLayers, layer_scan
 from bench.verify_cost import build_model, make_forward, timed
 from models.qwen3_5 import init_cache
 from pallas_kernels.quant_matmul import FORMATS

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bench.plain_decode import GEOMETRIES, RolledLayers, geometry_config, layer_scan
-from models.qwen3_5 import Batch, init_cache
+from bench.models import GEOMETRIES, RolledLayers, geometry_config, layer_scan, random_model
+from models.qwen3_5 import Batch, init_cache, unroll_layers
 from pallas_kernels.quant_matmul import FORMATS
-from spec_jax.checkpoint import load_model
-from spec_jax.convert import convert
-from spec_jax.random_checkpoint import write_checkpoint
 
 
 def timed(fn, *args, reps: int = 50) -> float:
@@ -35,15 +31,14 @@ def timed(fn, *args, reps: int = 50) -> float:
 
 
 def build_model(geometry: str, quantization: str | None = None):
-    """(config, graphdef, params) of a random bf16 model of a geometry, loaded through the
-    released checkpoint layout, its projections converted to a weight-only format if given."""
-    with tempfile.TemporaryDirectory() as tmp:
-        src = write_checkpoint(tmp, geometry_config(geometry), dtype="bfloat16")
-        if quantization:
-            src = convert(src, f"{tmp}/quantized", "bfloat16", quantization)
-        model, cfg = load_model(src, "bfloat16")
+    """(config, graphdef, params) of a random bf16 model of a geometry made on the device, its
+    projections in a weight-only format if given, in the layout the engine runs (the decode
+    layout where layers run unrolled)."""
+    model = random_model(geometry_config(geometry), quantization=quantization)
+    if unroll_layers():
+        model.use_decode_layout()
     gdef, params = nnx.split(model)
-    return cfg, gdef, params
+    return model.cfg, gdef, params
 
 
 def make_forward(gdef, kv_len: int):
