@@ -41,13 +41,11 @@ class OracleProposer:
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleTokens:
-    """Benchmarks only: a real proposer runs every step (its whole cost, its own state kept in
-    step with what the target emits) but the oracle's tokens are verified in its place, so a
-    drafter's speed can be measured at a chosen acceptance before it is trained."""
+class InnerProposer:
+    """A benchmark wrapper around a real proposer, which keeps drafting and updating at its full
+    cost: the state is (the inner proposer's state, the wrapper's own data)."""
 
     inner: Any
-    oracle: OracleProposer
 
     @property
     def k(self) -> int:
@@ -56,6 +54,19 @@ class OracleTokens:
     @property
     def taps(self) -> tuple[int, ...]:
         return getattr(self.inner, "taps", ())
+
+    def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
+        inner_state, own = state
+        return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), own
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTokens(InnerProposer):
+    """Benchmarks only: a real proposer runs every step (its whole cost, its own state kept in
+    step with what the target emits) but the oracle's tokens are verified in its place, so a
+    drafter's speed can be measured at a chosen acceptance before it is trained."""
+
+    oracle: OracleProposer | None = None
 
     def init_state(self, model, draft, tokens, lengths, target, choose, reference=None):
         return (self.inner.init_state(model, draft, tokens, lengths, target, choose),
@@ -69,13 +80,9 @@ class OracleTokens:
         drafts = jnp.where(own < 0, own, drafts)
         return drafts, n_draft, None, (inner_state, reference)
 
-    def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
-        inner_state, reference = state
-        return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), reference
-
 
 @dataclasses.dataclass(frozen=True)
-class SyntheticAcceptance:
+class SyntheticAcceptance(InnerProposer):
     """vLLM's "synthetic" rejection (benchmarks): the inner proposer drafts at its full cost and
     the target verifies its drafts in the usual pass, but draft i is accepted with a dialled
     probability (given that the drafts before it were) instead of by comparison with the target;
@@ -88,16 +95,7 @@ class SyntheticAcceptance:
     constants, so one executable serves every rate.
     """
 
-    inner: Any
-    rates: tuple[float, ...]  # conditional acceptance probability per draft position
-
-    @property
-    def k(self) -> int:
-        return self.inner.k
-
-    @property
-    def taps(self) -> tuple[int, ...]:
-        return getattr(self.inner, "taps", ())
+    rates: tuple[float, ...] = ()  # conditional acceptance probability per draft position
 
     def reference(self, batch: int) -> np.ndarray:
         """The prefill input: the rates of every row, [batch, k] float32."""
@@ -112,10 +110,6 @@ class SyntheticAcceptance:
         inner_state, rates = state
         drafts, n_draft, q, inner_state = self.inner.propose(model, draft, inner_state, tokens, lengths, choose)
         return drafts, n_draft, q, (inner_state, rates)
-
-    def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
-        inner_state, rates = state
-        return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), rates
 
     @staticmethod
     def rates_of(state) -> jax.Array:

@@ -226,11 +226,10 @@ def test_rejection_sample_method_unknown():
         parse({"method": "mtp", "rejection_sample_method": "strict"})
 
 
-@pytest.mark.parametrize("rsm", ["synthetic", "block"])
-def test_rejection_sample_method_not_implemented(rsm):
-    with pytest.raises(ValueError, match=f"rejection_sample_method '{rsm}' is not implemented yet; "
-                                         "implemented: standard"):
-        parse({"method": "mtp", "rejection_sample_method": rsm})
+def test_rejection_sample_method_not_implemented():
+    with pytest.raises(ValueError, match="rejection_sample_method 'block' is not implemented yet; "
+                                         "implemented: standard, synthetic"):
+        parse({"method": "mtp", "rejection_sample_method": "block"})
 
 
 def test_tensor_parallel_size_is_refused():
