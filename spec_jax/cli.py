@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port_number, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file, for checkpoints whose tokenizer_config.json has none")
@@ -64,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--quantization", choices=("int8", "fp8", "fp8_block", "nvfp4"), default=None,
                       help="quantize the projection weights (weight-only; embeddings, lm_head, norms, routers stay)")
     return parser
+
+
+def port_number(text: str) -> int:
+    """--port: a TCP port, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0 to 65535)")
+    return port
 
 
 def parse_ids(text: str, flag: str) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Sequence
@@ -58,16 +59,51 @@ class SamplingParams:
     speculative: bool = True  # spec_jax extension: False opts this request out of drafting
 
     def __post_init__(self):
-        if self.n != 1:
-            raise ValueError(f"n={self.n}: only n=1 (one completion per prompt) is supported")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k} must be -1 or 0 (off) or a positive count")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ValueError(f"max_tokens={self.max_tokens} must be a positive number of tokens (or None)")
+        """Refuse, naming the field, what is not of the field's type or range (nothing is
+        coerced: 2.5 tokens or a string temperature are errors, not 2 tokens or a crash later)."""
+        check_int("n", self.n, 1, 1, "only n=1 (one completion per prompt) is supported")
+        check_real("temperature", self.temperature, "must be >= 0 (0 means greedy)", lambda t: t >= 0)
+        check_real("top_p", self.top_p, "must be in (0, 1]", lambda p: 0 < p <= 1)
+        check_int("top_k", self.top_k, -1, INT32_MAX, "must be -1 or 0 (off) or a positive count")
+        if self.seed is not None:
+            check_int("seed", self.seed, -(2**63), 2**63 - 1, "must fit in 64 bits")
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1, INT32_MAX, "must be a positive number of tokens (or None)")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            for i, t in enumerate(self.stop_token_ids):
+                check_int(f"stop_token_ids[{i}]", t, 0, INT32_MAX, "must be a token id")
+        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+INT32_MAX = 2**31 - 1  # token ids, counts and top_k live in int32 on the device
+
+
+def seed_key(seed: int) -> jax.Array:
+    """A PRNG key from all 64 bits of a seed (`jax.random.key` keeps only the low 32 without x64,
+    so 0 and 2**62 would draw alike)."""
+    seed &= 2**64 - 1
+    key = jax.random.key(seed & 0xFFFFFFFF)
+    return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key
+
+
+def check_int(name: str, value, lo: int, hi: int, rule: str) -> None:
+    """ValueError naming `name` unless value is an int (not a bool) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value} {rule}")
+
+
+def check_real(name: str, value, rule: str, ok) -> None:
+    """ValueError naming `name` unless value is a finite real number (not a bool) for which ok(value)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name}={value} {rule}")
 
 
 @dataclasses.dataclass
@@ -126,13 +162,15 @@ class LLM:
         gguf_file = find_gguf(model) if model is not None else None
         if gguf_file is not None and spec is not None and spec.method == "dspark":
             raise ValueError(f"speculative method 'dspark' needs a safetensors target, not the GGUF file {model!r}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={max_num_seqs} must be at least 1")
+        check_int("max_num_seqs", max_num_seqs, 1, 4096, "must be between 1 and 4096")
+        check_int("seed", seed, -(2**63), 2**63 - 1, "must fit in 64 bits")
+        if max_model_len is not None:
+            check_int("max_model_len", max_model_len, 2, INT32_MAX, "must be at least 2")
         enable_compilation_cache()
         self.model_path = model
         self.model, self.cfg = (loaded, loaded.cfg) if loaded is not None else load_model(model, dtype)
         limit = self.cfg.max_position_embeddings
-        max_model_len = max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit)
+        max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit) if max_model_len is None else max_model_len
         if not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
         self.max_model_len = max_model_len
@@ -180,6 +218,12 @@ class LLM:
     # ------------------------------------------------------------------ inputs
 
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | np.ndarray):
+            raise ValueError(f"{what} must be a list of token ids, got {ids!r}")
+        wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if wrong:
+            raise ValueError(f"{what} has {wrong[0]!r} ({type(wrong[0]).__name__}) where a token id (an integer) "
+                             f"belongs")
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError(f"{what} is empty; a prompt needs at least one token")
@@ -227,6 +271,8 @@ class LLM:
             prompts = [prompts] if isinstance(prompts, str) else list(prompts)
             ids = [self._check_ids(self._encode(p, f"prompt {i}"), f"prompt {i}") for i, p in enumerate(prompts)]
         else:
+            if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence | np.ndarray):
+                raise ValueError(f"prompt_token_ids must be a list of token-id lists, got {prompt_token_ids!r}")
             ids = [self._check_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
             prompts = [None] * len(ids)
         if sampling_params is None:
@@ -303,7 +349,7 @@ class LLM:
         pad = lambda values, fill, dtype: np.asarray(list(values) + [fill] * (B - n), dtype)
         temperature = pad((p.temperature for p in params), 0.0, np.float32)
         keys = jax.random.split(jax.random.key(0), B)
-        keys = keys.at[:n].set(jnp.stack([jax.random.key(self._row_seed(p)) for p in params]))
+        keys = keys.at[:n].set(jnp.stack([seed_key(self._row_seed(p)) for p in params]))
         sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(pad((max(p.top_k, 0) for p in params), 0, np.int32)),
                                jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys)
         do_sample = bool((temperature > 0).any()) if do_sample is None else do_sample

@@ -32,7 +32,7 @@ import jinja2.ext
 import jinja2.sandbox
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
@@ -329,9 +329,29 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+# How often a non-streaming request looks whether its client is still connected.
+DISCONNECT_POLL_S = 0.2
+
+
+async def unless_client_leaves(work, client_gone) -> bool:
+    """Await the coroutine `work` while polling `client_gone()`. If the client leaves first,
+    cancel `work` (its scheduler requests free their slots at the next chunk) and return False."""
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+        if await client_gone():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return False
+    task.result()  # re-raise what the work raised
+    return True
+
+
 async def complete(server: Server, body: SamplingFields, prompts: list[list[int]], params: SamplingParams,
-                   chat: bool):
-    """Both endpoints' response: one JSON body, or a stream of OpenAI chunks."""
+                   chat: bool, client_gone):
+    """Both endpoints' response: one JSON body, or a stream of OpenAI chunks. client_gone():
+    whether the client disconnected (a non-streaming request stops then; a stream stops when
+    its next write fails)."""
     stops = stop_strings(body)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk" if body.stream and chat else
@@ -354,12 +374,17 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
     if not body.stream:
         texts = [""] * len(prompts)
         reasons: list[str | None] = [None] * len(prompts)
-        async for i, delta, ids, reason, error in server.choices(prompts, params, stops):
-            if error:
-                raise APIError(500, f"generation failed: {error}", type="server_error")
-            texts[i] += delta
-            generated[i] += ids
-            reasons[i] = reason
+
+        async def collect():
+            async for i, delta, ids, reason, error in server.choices(prompts, params, stops):
+                if error:
+                    raise APIError(500, f"generation failed: {error}", type="server_error")
+                texts[i] += delta
+                generated[i] += ids
+                reasons[i] = reason
+
+        if not await unless_client_leaves(collect(), client_gone):
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         out = {**head, "choices": [choice(i, texts[i], generated[i], reasons[i], True) for i in range(len(prompts))],
                "usage": usage(prompts, generated)}
         if body.return_token_ids:
@@ -458,17 +483,17 @@ def build_app(server: Server) -> FastAPI:
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(body: CompletionBody, request: Request):
         server.check_model(body.model)
         refuse_unsupported(body)
         params = sampling_params(body, body.max_tokens)
         prompts = completion_prompts(server, body.prompt)
         for ids in prompts:
             server.check_room(ids, body.max_tokens, "max_tokens")
-        return await complete(server, body, prompts, params, chat=False)
+        return await complete(server, body, prompts, params, chat=False, client_gone=request.is_disconnected)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
+    async def chat_completions(body: ChatBody, request: Request):
         server.check_model(body.model)
         refuse_unsupported(body)
         if server.chat_template is None:
@@ -481,6 +506,6 @@ def build_app(server: Server) -> FastAPI:
         params = sampling_params(body, max_tokens)
         ids = server.encode(server.chat_template.render(body.messages, body.chat_template_kwargs), "messages")
         server.check_room(ids, max_tokens, "max_tokens")
-        return await complete(server, body, [ids], params, chat=True)
+        return await complete(server, body, [ids], params, chat=True, client_gone=request.is_disconnected)
 
     return app

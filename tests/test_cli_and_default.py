@@ -1,6 +1,7 @@
 """The CLI and the embedded default model, as a new user meets them."""
 
 import numpy as np
+import pytest
 
 from conftest import HF_FIXTURES
 from spec_jax import LLM, SamplingParams
@@ -59,3 +60,20 @@ def test_random_checkpoint_script_writes_loadable_target_and_drafter(tmp_path):
               speculative_config={"method": "dflash", "model": str(tmp_path / "d"), "num_speculative_tokens": 3})
     out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=5, temperature=0))
     assert len(out[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--port", "99999"], "99999 is not a port number (0 to 65535)"),
+    (["serve", "--port", "http"], "'http' is not a port number"),
+])
+def test_serve_refuses_a_bad_port(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_generate_refuses_overflowing_stop_ids_and_zero_max_model_len(capsys):
+    assert main(["generate", "--prompt-token-ids", "1,2", "--stop-token-ids", "99999999999"]) == 2
+    assert "stop_token_ids[0]=99999999999 must be a token id" in capsys.readouterr().err
+    assert main(["generate", "--prompt-token-ids", "1,2", "--max-model-len", "0"]) == 2
+    assert "max_model_len=0 must be at least 2" in capsys.readouterr().err

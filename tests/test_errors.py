@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -107,3 +108,48 @@ def test_missing_model_directory(tmp_path):
 def test_unknown_rollback(tiny_dir):
     with pytest.raises(ValueError, match="rollback='undo'; expected one of checkpoint, replay"):
         LLM(model=str(tiny_dir), rollback="undo")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"),
+    ({"temperature": "0.5"}, "temperature must be a number, got '0.5'"),
+    ({"temperature": float("inf")}, "temperature=inf must be >= 0"),
+    ({"top_p": float("nan")}, "top_p=nan"),
+    ({"top_k": 2**40}, "top_k=1099511627776"),
+    ({"top_k": True}, "top_k must be an integer"),
+    ({"seed": 2**70}, "seed=1180591620717411303424 must fit in 64 bits"),
+    ({"stop_token_ids": [2**40]}, r"stop_token_ids\[0\]=1099511627776 must be a token id"),
+    ({"stop_token_ids": 7}, "stop_token_ids must be a list"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be true or false"),
+])
+def test_sampling_params_are_typed_and_bounded(kwargs, message):
+    """Nothing is coerced: a wrong type or an out-of-range value (one that would overflow int32
+    on the device) is refused with the field's name."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([[1.5, 2.7]], r"prompt_token_ids\[0\] has 1.5 \(float\) where a token id"),
+    ("123", "prompt_token_ids must be a list of token-id lists, got '123'"),
+    ([[True, 2]], r"prompt_token_ids\[0\] has True"),
+])
+def test_prompt_token_ids_are_not_coerced(tiny_llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_llm.generate(prompt_token_ids=prompts)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
+                                             ({"max_model_len": 0}, "max_model_len=0 must be at least 2"),
+                                             ({"seed": "1"}, "seed must be an integer")])
+def test_llm_arguments_are_checked(tiny_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(tiny_dir), dtype="float32", **kwargs)
+
+
+def test_seeds_past_32_bits_draw_differently():
+    from spec_jax.llm import seed_key
+
+    keys = [np.asarray(jax.random.key_data(seed_key(s))) for s in (0, 2**62, 2**32, -5)]
+    assert len({k.tobytes() for k in keys}) == 4
+    np.testing.assert_array_equal(keys[0], np.asarray(jax.random.key_data(jax.random.key(0))))  # small seeds as before

@@ -156,6 +156,33 @@ def test_a_dropped_client_frees_its_slot(served):
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
 
 
+def test_abandoned_non_streaming_requests_free_their_slots(served):
+    """Clients that time out and hang up mid-request (more of them than there are slots) are
+    cancelled, so a request sent after them is served at once."""
+    url, llm, client = served
+    aborted = 'spec_jax_requests_total{finish_reason="abort"}'
+    before = metrics(url)
+    body = {"model": "tiny", "prompt": [5], "max_tokens": llm.max_model_len - 2, "temperature": 0, "ignore_eos": True}
+
+    def abandon():
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.5))
+
+    threads = [threading.Thread(target=abandon) for _ in range(6)]  # 4 slots: 2 wait in the queue
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.time() + 60
+    while metrics(url)[aborted] < before[aborted] + 6:
+        assert time.time() < deadline, f"{metrics(url)[aborted] - before[aborted]:.0f} of 6 abandoned requests cancelled"
+        time.sleep(0.05)
+    assert metrics(url)["spec_jax_num_requests_running"] == 0
+    t = time.perf_counter()
+    r = client.completions.create(model="tiny", prompt=[5], max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1 and time.perf_counter() - t < 10
+
+
 BAD = [
     ({"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
     ({"prompt": "x", "temperature": -0.5}, 400, "temperature", None),
