@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from models.qwen3_5 import Batch, KVCache, Qwen3_5Model, TargetOut, init_mtp_cache
+from models.qwen3_5 import Batch, KVCache, Qwen3_5Model, TargetOut, init_mtp_cache, unroll_layers
 
 
 @jax.tree_util.register_dataclass
@@ -51,18 +51,22 @@ class MTPProposer:
 
     def propose(self, model: Qwen3_5Model, draft, state: MTPState, tokens, lengths, choose):
         L = state.cache.k.shape[2]
-        drafts, qs, h, cache = [state.draft], [state.q], state.hidden, state.cache
         ones = jnp.ones_like(lengths)
-        for j in range(1, self.k):
-            batch = Batch(lengths - 2 + j, ones)
-            x, cache = model.mtp(model.embed(drafts[-1][:, None]), h[:, None], batch, cache, kv_len=L)
-            h = x[:, 0]
-            d, q = choose(model.logits(h), lengths + j)
-            drafts.append(d)
-            qs.append(q)
-        q = None if state.q is None else jnp.stack(qs, axis=1)
+
+        def chain(carry, j):  # draft j from draft j - 1 and the head's own hidden state
+            previous, h, cache = carry
+            x, cache = model.mtp(model.embed(previous[:, None]), h[:, None], Batch(lengths - 2 + j, ones), cache,
+                                 kv_len=L)
+            d, q = choose(model.logits(x[:, 0]), lengths + j)
+            return (d, x[:, 0], cache), (d, q)
+
+        # A scan traces the head once for any k; unrolled where the layers are (the GPU).
+        (_, _, cache), (ds, qs) = jax.lax.scan(chain, (state.draft, state.hidden, state.cache),
+                                               jnp.arange(1, self.k), unroll=unroll_layers())
+        drafts = jnp.concatenate([state.draft[:, None], ds.T], axis=1)
+        q = None if state.q is None else jnp.concatenate([state.q[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
         n_draft = jnp.full_like(lengths, self.k)
-        return jnp.stack(drafts, axis=1), n_draft, q, dataclasses.replace(state, cache=cache)
+        return drafts, n_draft, q, dataclasses.replace(state, cache=cache)
 
     def update(self, model: Qwen3_5Model, draft, state: MTPState, target: TargetOut, emitted, n_acc, lengths,
                choose) -> MTPState:

@@ -188,6 +188,12 @@ class LLM:
     def _set_speculation(self, speculative_config, rollback: str, max_num_seqs: int, draft=None) -> None:
         spec = parse_speculative_config(speculative_config, target_model=self.model_path,
                                         target_has_mtp=self.model.mtp is not None)
+        if spec is not None and spec.num_speculative_tokens + 1 >= self.max_model_len:
+            raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens} leaves no room in max_model_len="
+                             f"{self.max_model_len}: a step verifies k + 1 tokens")
+        if spec is not None and (spec.prompt_lookup_max or 0) >= self.max_model_len:
+            raise ValueError(f"prompt_lookup_max={spec.prompt_lookup_max} must be below max_model_len="
+                             f"{self.max_model_len}")
         self.speculative_config = spec
         if draft is not None and (spec is None or spec.method not in NEEDS_MODEL):
             raise ValueError(f"a draft network was given but speculative method "

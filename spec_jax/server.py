@@ -196,11 +196,38 @@ class ChatTemplate:
         raise jinja2.TemplateError(message)
 
     def render(self, messages: list[dict], extra: dict | None = None) -> str:
+        """The prompt text; extra (chat_template_kwargs) may set any variable but `messages`,
+        add_generation_prompt included."""
+        if "messages" in (extra or {}):
+            raise APIError(400, "chat_template_kwargs may not set messages; send them as messages",
+                           param="chat_template_kwargs")
+        context = {**self.specials, "add_generation_prompt": True, **(extra or {}), "messages": text_messages(messages)}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True,
-                                        **{**self.specials, **(extra or {})})
+            return self.template.render(context)
         except jinja2.TemplateError as e:
             raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+
+
+def text_messages(messages: list[dict]) -> list[dict]:
+    """Messages with their content as text, as OpenAI reads them: a string stays, null is empty,
+    a list of parts joins its text parts by newlines. Any other content, or a part that is not
+    text, is a 400 naming the message."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                                    f"supported", param="messages")
+            content = "\n".join(p["text"] for p in content)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts, got "
+                                f"{type(content).__name__}", param="messages")
+        out.append({**m, "content": content})
+    return out
 
 
 # ----------------------------------------------------------------------------- text out

@@ -31,6 +31,10 @@ NEEDS_MODEL = ("draft_model", "eagle3", "dflash", "dspark")  # methods whose dra
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
+# Documented maxima (a step verifies k + 1 tokens; every draft position costs memory and time).
+# The engine also keeps both below max_model_len.
+MAX_SPECULATIVE_TOKENS = 64
+MAX_PROMPT_LOOKUP = 1024
 IMPLEMENTED_REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 MTP_N_PREDICT = 1  # Qwen3.5 / 3.6 / Qwen3-Next ship one MTP layer: k defaults to it
 # The MTP alias vLLM derives from each target model_type we load.
@@ -108,8 +112,8 @@ class SpeculativeConfig:
             object.__setattr__(self, f.name, _checked(f.name, getattr(self, f.name), _field_types()[f.name]))
         object.__setattr__(self, "method", canonical_method(self.method))
         k = self.num_speculative_tokens
-        if k < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}")
         self._resolve_lookup_window()
         _check_choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         _check_choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
@@ -160,8 +164,8 @@ class SpeculativeConfig:
         """Check prompt_lookup_min/max >= 1; for ngram fill them in (5/5, or one copies the other)."""
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            if value is not None and not 1 <= value <= MAX_PROMPT_LOOKUP:
+                raise ValueError(f"{name} must be between 1 and {MAX_PROMPT_LOOKUP}, got {value}")
         if self.method not in ("ngram", "ngram_gpu"):
             return
         if lo is None and hi is None:
@@ -198,7 +202,7 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option is tuple and isinstance(value, (list, tuple)):
-            return _freeze(value)
+            return _freeze(value, name)
         if option in (str, bool, dict) and isinstance(value, option):
             return value
     expected = " or ".join("null" if o is type(None) else "list" if o is tuple else o.__name__
@@ -206,8 +210,16 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
     raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
-def _freeze(value: Any) -> Any:
-    return tuple(_freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
+MAX_NESTING = 8  # no field nests lists deeper; a deeper value is refused, not recursed into
+
+
+def _freeze(value: Any, name: str, depth: int = 0) -> Any:
+    """Lists as tuples, all the way down (the config stays hashable)."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    if depth >= MAX_NESTING:
+        raise ValueError(f"{name} nests lists more than {MAX_NESTING} deep")
+    return tuple(_freeze(v, name, depth + 1) for v in value)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -252,6 +264,8 @@ def _decode(spec: dict | str) -> dict:
             spec = json.loads(spec)
         except json.JSONDecodeError as e:
             raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("speculative_config nests too deeply to be a config") from None
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {type(spec).__name__}: {spec!r}")
     return dict(spec)

@@ -153,3 +153,12 @@ def test_seeds_past_32_bits_draw_differently():
     keys = [np.asarray(jax.random.key_data(seed_key(s))) for s in (0, 2**62, 2**32, -5)]
     assert len({k.tobytes() for k in keys}) == 4
     np.testing.assert_array_equal(keys[0], np.asarray(jax.random.key_data(jax.random.key(0))))  # small seeds as before
+
+
+def test_k_and_lookup_window_stay_below_max_model_len(tiny_dir):
+    with pytest.raises(ValueError, match="num_speculative_tokens=20 leaves no room in max_model_len=16"):
+        LLM(model=str(tiny_dir), dtype="float32", max_model_len=16,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 20})
+    with pytest.raises(ValueError, match="prompt_lookup_max=40 must be below max_model_len=16"):
+        LLM(model=str(tiny_dir), dtype="float32", max_model_len=16,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 40})

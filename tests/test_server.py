@@ -197,6 +197,10 @@ BAD = [
     ({"prompt": "x", "stop_token_ids": list(range(17))}, 400, "stop_token_ids", None),
     ({"max_tokens": 3}, 400, "prompt", None),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
+    ({"prompt": "x", "top_k": 2**40}, 400, "top_k", None),  # past int32 on the device
+    ({"prompt": "x", "top_k": 2**70}, 400, "top_k", None),
+    ({"prompt": "x", "seed": 2**70}, 400, "seed", None),
+    ({"prompt": "x", "stop_token_ids": [2**40]}, 400, "stop_token_ids", None),
 ]
 
 
@@ -207,6 +211,43 @@ def test_bad_completion_requests_get_error_bodies(served, body, status, param, c
     error = r.json()["error"]
     assert r.status_code == status and set(error) == {"message", "type", "param", "code"}
     assert error["message"] and error["param"] == param and error["code"] == code
+
+
+def test_non_finite_temperature_is_refused(served):
+    r = httpx.post(f"{served[0]}/v1/completions", content=b'{"model": "tiny", "prompt": "x", "temperature": 1e999}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+@pytest.mark.parametrize("content, status, rendered", [
+    ([{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}], 200, "hi\nthere"),
+    (None, 200, ""),
+    ("plain", 200, "plain"),
+    (5, 400, None),
+    ([{"type": "image_url", "image_url": {"url": "http://x"}}], 400, None),
+])
+def test_chat_content_parts_are_flattened_as_openai_does(served, content, status, rendered):
+    url, llm, _ = served
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0,
+            "return_token_ids": True}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    if status == 200:
+        expected = llm.tokenizer.encode(f"<|im_start|>user\n{rendered}<|im_end|>\n<|im_start|>assistant\n")
+        assert r.json()["prompt_token_ids"] == [expected]
+    else:
+        assert r.json()["error"]["param"] == "messages" and "messages[0].content" in r.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_may_not_clash(served):
+    url = served[0]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = httpx.post(f"{url}/v1/chat/completions", json={**body, "chat_template_kwargs": {"add_generation_prompt": False},
+                                                        "return_token_ids": True})
+    assert r.status_code == 200 and not served[1].tokenizer.decode(r.json()["prompt_token_ids"][0]).endswith(
+        "assistant\n")
 
 
 def test_malformed_bodies_and_unknown_routes(served):

@@ -298,3 +298,22 @@ def test_draft_model_needs_its_checkpoint():
         parse({"method": "draft_model", "num_speculative_tokens": 3})
     cfg = parse({"model": "/models/Qwen3.5-0.8B", "num_speculative_tokens": 3})
     assert (cfg.method, cfg.model) == ("draft_model", "/models/Qwen3.5-0.8B")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"method": "mtp", "num_speculative_tokens": 1000}, "num_speculative_tokens must be between 1 and 64, got 1000"),
+    ({"method": "mtp", "num_speculative_tokens": 2**63}, "num_speculative_tokens must be between 1 and 64"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 10**9},
+     "prompt_lookup_max must be between 1 and 1024, got 1000000000"),
+])
+def test_unbounded_k_and_lookup_window_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        parse(fields)
+
+
+def test_deeply_nested_configs_are_clean_errors():
+    with pytest.raises(ValueError, match="nests too deeply"):
+        parse("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="synthetic_acceptance_rates nests lists more than 8 deep"):
+        parse({"method": "mtp", "num_speculative_tokens": 1, "rejection_sample_method": "synthetic",
+               "synthetic_acceptance_rates": [[[[[[[[[[0.5]]]]]]]]]]})
