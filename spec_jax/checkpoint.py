@@ -289,6 +289,10 @@ def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, prog
     if cfg.mtp_num_hidden_layers and "mtp.fc.weight" not in src:
         # A checkpoint exported without its MTP head still runs; speculation with mtp refuses it.
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+    elif not cfg.mtp_num_hidden_layers and "mtp.fc.weight" in src:
+        # config.json without mtp_num_hidden_layers: the head's tensors say how many layers it has.
+        layers = {name.split(".")[2] for name in src.names() if name.startswith("mtp.layers.")}
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=len(layers))
     make_model = lambda: Qwen3_5Model(cfg, dtype=dtype)  # noqa: E731
     if scheme is not None:
         make_model = src.keep_quantized(make_model, cfg)

@@ -92,8 +92,8 @@ def gguf_names(name: str, arch: str, n_layers: int, tensor_map: gguf.TensorNameM
     if name.endswith("experts.gate_up_proj") and not fused_experts:
         parts = [gguf_names(name.replace("gate_up_proj", proj), arch, n_layers, tensor_map) for proj in ("gate_proj", "up_proj")]
         return None if None in parts else parts[0] + parts[1]
-    if name.endswith(("experts.down_proj", "experts.gate_up_proj")):
-        name += ".weight"
+    if name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj", "experts.gate_up_proj")):
+        name += ".weight"  # llama.cpp names the stacked experts blk.N.ffn_*_exps.weight
     if name.endswith(".dt_bias"):
         name = name[: -len("dt_bias")] + "dt_proj.bias"  # the converter's rename
     base, suffix = (name[: -len(".weight")], ".weight") if name.endswith(".weight") else (

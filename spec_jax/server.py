@@ -218,8 +218,8 @@ def text_messages(messages: list[dict]) -> list[dict]:
         if isinstance(content, list):
             if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
                    for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
-                                    f"supported", param="messages")
+                raise APIError(400, f"messages[{i}].content: only text parts "
+                                    f"({{\"type\": \"text\", \"text\": ...}}) are supported", param="messages")
             content = "\n".join(p["text"] for p in content)
         elif content is None:
             content = ""

@@ -162,3 +162,15 @@ def test_k_and_lookup_window_stay_below_max_model_len(tiny_dir):
     with pytest.raises(ValueError, match="prompt_lookup_max=40 must be below max_model_len=16"):
         LLM(model=str(tiny_dir), dtype="float32", max_model_len=16,
             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 40})
+
+
+def test_mtp_layers_are_inferred_from_the_tensors(tiny_dir, tmp_path):
+    """A config.json without mtp_num_hidden_layers, over a checkpoint that holds mtp.* tensors,
+    still loads the head (as the GGUF loader infers it from nextn)."""
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    config = json.loads((d / "config.json").read_text())
+    text = config.get("text_config", config)
+    assert text.pop("mtp_num_hidden_layers") == 1
+    (d / "config.json").write_text(json.dumps(config))
+    model, cfg = load_model(d)
+    assert cfg.mtp_num_hidden_layers == 1 and model.mtp is not None

@@ -73,6 +73,18 @@ def test_f32_gguf_equals_safetensors(case, fused, tmp_path):
         assert relative_error(mtp, ref["mtp_logits"]) < 1e-4
 
 
+def test_moe_tensors_are_named_as_llama_cpp_names_them(tmp_path):
+    """The routed and shared experts carry gguf-py's table names plus ".weight", as llama.cpp's
+    convert_hf_to_gguf.py writes them (blk.N.ffn_gate_exps.weight, not blk.N.ffn_gate_exps)."""
+    path = write_gguf(HF_FIXTURES / "moe_vl", tmp_path / "m.gguf")
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    T = gguf.MODEL_TENSOR
+    for tensor in (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP, T.FFN_GATE_INP, T.FFN_GATE_SHEXP, T.FFN_UP_SHEXP,
+                   T.FFN_DOWN_SHEXP, T.FFN_GATE_INP_SHEXP):
+        assert gguf.TENSOR_NAMES[tensor].format(bid=0) + ".weight" in names
+    assert not any(name.endswith("_exps") for name in names)
+
+
 def test_value_heads_are_tiled_as_llama_cpp_stores_them():
     grouped = np.arange(6)  # 2 key heads with 3 value heads each: value head g*3 + j
     tiled = reorder_v_heads(grouped, 0, dataclasses.replace(TINY, linear_num_value_heads=6), 1, to_tiled=True)

@@ -175,7 +175,8 @@ def test_abandoned_non_streaming_requests_free_their_slots(served):
         t.join()
     deadline = time.time() + 60
     while metrics(url)[aborted] < before[aborted] + 6:
-        assert time.time() < deadline, f"{metrics(url)[aborted] - before[aborted]:.0f} of 6 abandoned requests cancelled"
+        cancelled = metrics(url)[aborted] - before[aborted]
+        assert time.time() < deadline, f"{cancelled:.0f} of 6 abandoned requests cancelled"
         time.sleep(0.05)
     assert metrics(url)["spec_jax_num_requests_running"] == 0
     t = time.perf_counter()
