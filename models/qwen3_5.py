@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any
 
 import jax
@@ -78,6 +79,7 @@ class Qwen3_5Config:
     bos_token_id: int | None = None
 
     def __post_init__(self):
+        self._check_fields()
         if not self.layer_types:
             n = self.full_attention_interval
             kinds = tuple(FULL if (i + 1) % n == 0 else LINEAR for i in range(self.num_hidden_layers))
@@ -93,6 +95,34 @@ class Qwen3_5Config:
             raise ValueError(f"layer_types {self.layer_types} is not a whole number of repeats of one pattern")
         check_head_groups(self, "linear_num_value_heads", "linear_num_key_heads")
         check_head_groups(self, "num_attention_heads", "num_key_value_heads")
+
+    # Sizes that must be positive integers, and those that may be 0 (no MoE, no MTP head).
+    POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "full_attention_interval",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim")
+    NON_NEGATIVE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                    "mtp_num_hidden_layers")
+
+    def _check_fields(self) -> None:
+        """ValueError naming the key for a wrong type or an impossible value: sizes are integers
+        (positive, or >= 0 where 0 means absent) that fit int32, rms_norm_eps and rope_theta are
+        finite and positive, partial_rotary_factor is in (0, 1], token ids fit int32."""
+        for name in (*self.POSITIVE, *self.NON_NEGATIVE):
+            value, low = getattr(self, name), 1 if name in self.POSITIVE else 0
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
+                raise ValueError(f"{name}={value!r} must be an integer >= {low} (and below 2**31)")
+        for name, ok, rule in (("rms_norm_eps", lambda x: 0 < x < 1, "in (0, 1)"),
+                               ("rope_theta", lambda x: x > 0, "> 0"),
+                               ("partial_rotary_factor", lambda x: 0 < x <= 1, "in (0, 1]")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+                raise ValueError(f"{name}={value!r} must be a number {rule}")
+        ids = [*self.eos_token_id, *([] if self.bos_token_id is None else [self.bos_token_id])]
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31 for t in ids):
+            raise ValueError(f"eos_token_id / bos_token_id {ids} must be token ids (integers in [0, 2**31))")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
 
     @property
     def pattern(self) -> tuple[str, ...]:
@@ -151,7 +181,9 @@ class Qwen3_5Config:
         if text.get("layer_types") is not None:
             text["layer_types"] = tuple(text["layer_types"])
         if text.get("head_dim") is None:
-            text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
+            hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+            ok = all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (hidden, heads))
+            text["head_dim"] = hidden // heads if ok else None  # else the field check names what is wrong
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in text.items() if k in names and v is not None})
 

@@ -48,13 +48,17 @@ def resolve_dtype(dtype: str | Any) -> Any:
 
 
 def read_json(path: Path) -> dict:
+    """A JSON file that must hold an object; CheckpointError naming the file otherwise."""
     try:
         with open(path) as f:
-            return json.load(f)
+            value = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, where an object ({{...}}) belongs")
+    return value
 
 
 def read_config(model_dir: str | os.PathLike, parse):
@@ -63,15 +67,23 @@ def read_config(model_dir: str | os.PathLike, parse):
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {str(model_dir)!r} does not exist")
+    config = read_json(model_dir / "config.json")
     try:
-        cfg = parse(read_json(model_dir / "config.json"))
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{model_dir / 'config.json'} is missing or has a malformed key: {e}") from None
+        cfg = parse(config)
+    except CheckpointError:
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{model_dir / 'config.json'} is missing the key {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{model_dir / 'config.json'}: {e}") from None
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists() and hasattr(cfg, "eos_token_id"):
         eos = read_json(gen_path).get("eos_token_id")
         extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-        cfg = dataclasses.replace(cfg, eos_token_id=tuple(dict.fromkeys([*cfg.eos_token_id, *extra])))
+        try:
+            cfg = dataclasses.replace(cfg, eos_token_id=tuple(dict.fromkeys([*cfg.eos_token_id, *extra])))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{gen_path}: {e}") from None
     return cfg
 
 
@@ -106,6 +118,11 @@ class TensorSource:
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no 'weight_map'")
+            for name, shard in weight_map.items():
+                inside = isinstance(shard, str) and (model_dir / shard).resolve().is_relative_to(model_dir.resolve())
+                if not inside:
+                    raise CheckpointError(f"{index} maps {name!r} to {shard!r}; a shard is a file name inside "
+                                          f"{model_dir}")
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in model_dir.glob("*.safetensors"))
@@ -267,12 +284,25 @@ def fill_params(make_model, src: TensorSource, sources, read=None, *, progress: 
                     raise CheckpointError(
                         f"tensor {name!r} has shape {tuple(arr.shape)}, expected {expected} from config.json"
                     )
-                parts.append(np.asarray(arr).astype(want.dtype))
+                parts.append(checked_values(name, np.asarray(arr), want.dtype).astype(want.dtype))
             value = np.stack(parts) if stacked else parts[0]
             set_path(loaded, path, jax.device_put(value))
             bar.update(value.nbytes)
     nnx.replace_by_pure_dict(state, loaded)
     return nnx.merge(graphdef, state)
+
+
+def checked_values(name: str, arr: np.ndarray, want) -> np.ndarray:
+    """arr, refused (CheckpointError naming the tensor) if a float parameter comes as integers,
+    booleans or float64 (a mislabelled or foreign tensor, not a weight), or holds NaN or inf
+    (a model that would emit token 0 forever)."""
+    if not jnp.issubdtype(want, jnp.floating):
+        return arr
+    if arr.dtype.kind in "biu" or arr.dtype == np.float64:
+        raise CheckpointError(f"tensor {name!r} is {arr.dtype}; a weight is stored as a float of 32 bits or fewer")
+    if not np.isfinite(arr.astype(np.float32) if arr.dtype.itemsize == 1 else arr).all():
+        raise CheckpointError(f"tensor {name!r} holds NaN or inf values")
+    return arr
 
 
 def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, progress: bool | None = None):

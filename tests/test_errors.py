@@ -174,3 +174,73 @@ def test_mtp_layers_are_inferred_from_the_tensors(tiny_dir, tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     model, cfg = load_model(d)
     assert cfg.mtp_num_hidden_layers == 1 and model.mtp is not None
+
+
+def rewrite_config(d, edit):
+    config = json.loads((d / "config.json").read_text())
+    edit(config.get("text_config", config))
+    (d / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("hidden_size", -1, "hidden_size=-1 must be an integer >= 1"),
+    ("hidden_size", "384", "hidden_size='384' must be an integer"),
+    ("hidden_size", 384.5, "hidden_size=384.5 must be an integer"),
+    ("vocab_size", -1, "vocab_size=-1"),
+    ("num_key_value_heads", 0, "num_key_value_heads=0"),
+    ("linear_num_key_heads", 0, "linear_num_key_heads=0"),
+    ("rms_norm_eps", "x", "rms_norm_eps='x' must be a number"),
+    ("rms_norm_eps", -1, "rms_norm_eps=-1"),
+    ("max_position_embeddings", "2048", "max_position_embeddings='2048'"),
+    ("eos_token_id", 2**40, "must be token ids"),
+    ("eos_token_id", [[0]], "must be token ids"),
+    ("eos_token_id", {}, "must be token ids"),
+])
+def test_malformed_config_values_are_named(tiny_dir, tmp_path, key, value, message):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    rewrite_config(d, lambda text: text.update({key: value}))
+    with pytest.raises(CheckpointError, match=rf"config.json: .*{message}"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("name, content", [("config.json", "[1, 2]"), ("config.json", '"text"'),
+                                           ("config.json", "null"), ("generation_config.json", "[]")])
+def test_json_files_of_the_wrong_type(tiny_dir, tmp_path, name, content):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    (d / name).write_text(content)
+    with pytest.raises(CheckpointError, match=rf"{name} holds a JSON \w+, where an object"):
+        load_model(d)
+
+
+def test_partial_rotary_factor_out_of_range(tiny_dir, tmp_path):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    rewrite_config(d, lambda text: text.setdefault("rope_parameters", {}).update(partial_rotary_factor=2.0))
+    with pytest.raises(CheckpointError, match=r"partial_rotary_factor=2.0 must be a number in \(0, 1\]"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("bad, message", [(np.nan, "holds NaN or inf"), (np.inf, "holds NaN or inf"),
+                                          ("int32", "is int32; a weight is stored as a float"),
+                                          ("float64", "is float64")])
+def test_corrupt_or_foreign_weights_are_refused(tiny_dir, tmp_path, bad, message):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    tensors = load_file(str(d / "model.safetensors"))
+    name = "model.language_model.layers.1.mlp.up_proj.weight"
+    if isinstance(bad, str):
+        tensors[name] = tensors[name].astype(bad)
+    else:
+        tensors[name] = tensors[name].copy()
+        tensors[name][0, 0] = bad
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"'model.layers.1.mlp.up_proj.weight' {message}"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("shard", ["../../../../etc/passwd", "/etc/passwd", 7, None])
+def test_index_shards_stay_inside_the_model_directory(tiny_dir, tmp_path, shard):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    names = list(load_file(str(d / "model.safetensors")))
+    weight_map = {n: "model.safetensors" for n in names} | {names[0]: shard}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="a shard is a file name inside"):
+        load_model(d)
