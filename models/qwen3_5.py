@@ -38,6 +38,15 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_
 # ----------------------------------------------------------------------------- config
 
 
+def expect_json(key: str, value, kind: type):
+    """value, unless it is present and not of the JSON kind (object, array, boolean) the key holds:
+    then ValueError naming the key."""
+    if value is not None and not isinstance(value, kind):
+        names = {dict: "an object", list: "a list", bool: "true or false"}
+        raise ValueError(f"{key}={value!r} must be {names[kind]}")
+    return value
+
+
 def check_head_groups(cfg, heads: str, groups: str) -> None:
     """ValueError unless the config field `heads` is a multiple of the field `groups` (GQA-style
     sharing: each group serves heads // groups heads)."""
@@ -164,10 +173,13 @@ class Qwen3_5Config:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; spec_jax runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        text = dict(config.get("text_config") or config)
+        text = dict(expect_json("text_config", config.get("text_config"), dict) or config)
         text.setdefault("model_type", model_type)
         if "text_config" in config and "tie_word_embeddings" in config:
             text["tie_word_embeddings"] = config["tie_word_embeddings"]  # VL wrappers tie by the top-level flag
+        for key, kind in (("rope_parameters", dict), ("rope_scaling", dict), ("layer_types", list),
+                          ("mlp_only_layers", list), ("tie_word_embeddings", bool), ("norm_topk_prob", bool)):
+            expect_json(key, text.get(key), kind)
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         for key in ("rope_theta", "partial_rotary_factor"):
             if key in rope:

@@ -67,15 +67,7 @@ def read_config(model_dir: str | os.PathLike, parse):
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {str(model_dir)!r} does not exist")
-    config = read_json(model_dir / "config.json")
-    try:
-        cfg = parse(config)
-    except CheckpointError:
-        raise
-    except KeyError as e:
-        raise CheckpointError(f"{model_dir / 'config.json'} is missing the key {e}") from None
-    except (TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{model_dir / 'config.json'}: {e}") from None
+    cfg = parse_config(read_json(model_dir / "config.json"), model_dir / "config.json", parse)
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists() and hasattr(cfg, "eos_token_id"):
         eos = read_json(gen_path).get("eos_token_id")
@@ -85,6 +77,18 @@ def read_config(model_dir: str | os.PathLike, parse):
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{gen_path}: {e}") from None
     return cfg
+
+
+def parse_config(config: dict, path: Path, parse):
+    """parse(config) with any refusal as a CheckpointError naming the file `path` and the key."""
+    try:
+        return parse(config)
+    except CheckpointError:
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{path} is missing the key {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def load_config(model_dir: str | os.PathLike) -> Qwen3_5Config:
