@@ -55,9 +55,26 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, dtype: str = "bfloat
     copy_side_files(src, out, cfg)
     quantized = {".".join(map(str, path)): fmt for path, fmt in quantized_linears(model).items()}
     marker = {"format": "orbax", "dtype": dtype, "source": str(src), "mtp": cfg.mtp_num_hidden_layers > 0,
-              "quantized": quantized, "nvfp4_bits": NVFP4_BITS}
+              "quantized": quantized, "nvfp4_bits": NVFP4_BITS, "files": file_sizes(out / "params")}
     (out / MARKER).write_text(json.dumps(marker, indent=2))
     return out
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """Every file under `folder` (relative path) and its size in bytes."""
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def check_file_sizes(model_dir: Path, marker: dict) -> None:
+    """Every file the marker lists under params/ is there at its saved size (a truncated or lost
+    file is refused by name; a same-size corruption is not detected). Directories converted
+    before the marker listed files are not checked."""
+    for name, size in (marker.get("files") or {}).items():
+        path = model_dir / "params" / name
+        if not path.is_file() or path.stat().st_size != size:
+            found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
+            raise CheckpointError(f"{path} was saved with {size} bytes and is {found}: the converted directory "
+                                  f"is damaged; convert the model again")
 
 
 def copy_side_files(src: str | os.PathLike, out: Path, cfg) -> None:
@@ -103,10 +120,11 @@ def restore(model_dir: str | os.PathLike, dtype: str | None = None):
     saved = resolve_dtype(marker.get("dtype", "float32"))
     graphdef, state = abstract(saved)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+    check_file_sizes(model_dir, marker)
     try:
         params = ocp.StandardCheckpointer().restore((model_dir / "params").absolute(), shapes)
-    except (FileNotFoundError, ValueError) as e:
-        raise CheckpointError(f"cannot restore {model_dir / 'params'}: {e}") from None
+    except Exception as e:  # Orbax and TensorStore raise their own types; none should escape raw
+        raise CheckpointError(f"cannot restore {model_dir / 'params'}: {type(e).__name__}: {e}") from None
     wanted = resolve_dtype(dtype) if dtype else saved
     if wanted != saved:  # cast to the leaves' dtypes in the wanted model (norms, codes and scales keep theirs)
         graphdef, state = abstract(wanted)

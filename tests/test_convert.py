@@ -41,7 +41,29 @@ def test_a_damaged_conversion_is_named(tmp_path):
     import shutil
 
     shutil.rmtree(out / "params")
-    with pytest.raises(CheckpointError, match="cannot restore"):
+    with pytest.raises(CheckpointError, match="is missing: the converted directory is damaged"):
+        load_model(out)
+
+
+def test_every_truncated_file_and_a_bad_marker_are_named(tmp_path):
+    """The marker lists every file under params/ with its size: truncating any one of them is a
+    CheckpointError naming it (TensorStore's own errors, where a file passes that check, are
+    CheckpointErrors too); a marker of the wrong JSON type is one as well."""
+    import json
+
+    out = tmp_path / "c"
+    main(["convert", "--model", str(HF_FIXTURES / "dense_vl"), "--output", str(out), "--dtype", "float32"])
+    files = json.loads((out / "spec_jax.json").read_text())["files"]
+    assert files and all((out / "params" / name).stat().st_size == size for name, size in files.items())
+    for name, size in files.items():
+        path = out / "params" / name
+        data = path.read_bytes()
+        path.write_bytes(data[: size // 2])
+        with pytest.raises(CheckpointError, match=f"{name} was saved with {size} bytes and is {size // 2} bytes"):
+            load_model(out)
+        path.write_bytes(data)
+    (out / "spec_jax.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="spec_jax.json holds a JSON list"):
         load_model(out)
 
 
