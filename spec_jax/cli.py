@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=port_number, default=8000)
+    serve.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, finish in-flight requests for at most this long, then stop (default 30)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file, for checkpoints whose tokenizer_config.json has none")
@@ -140,8 +142,11 @@ def serve(args) -> None:
 
     server = Server(load_llm(args), served_model_name=args.served_model_name, chat_template=args.chat_template,
                     steps_per_chunk=args.steps_per_chunk)
+    if not args.timeout_graceful_shutdown >= 0:
+        raise ValueError(f"--timeout-graceful-shutdown {args.timeout_graceful_shutdown} must be >= 0 seconds")
     print(f"serving {server.name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(build_app(server), host=args.host, port=args.port)
+    uvicorn.run(build_app(server), host=args.host, port=args.port,
+                timeout_graceful_shutdown=args.timeout_graceful_shutdown)
 
 
 def bench(args) -> None:

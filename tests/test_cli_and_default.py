@@ -77,3 +77,18 @@ def test_generate_refuses_overflowing_stop_ids_and_zero_max_model_len(capsys):
     assert "stop_token_ids[0]=99999999999 must be a token id" in capsys.readouterr().err
     assert main(["generate", "--prompt-token-ids", "1,2", "--max-model-len", "0"]) == 2
     assert "max_model_len=0 must be at least 2" in capsys.readouterr().err
+
+
+def test_serve_bounds_the_graceful_shutdown(monkeypatch, tiny_dir):
+    """SIGTERM drains in-flight requests for at most --timeout-graceful-shutdown seconds (uvicorn
+    stops waiting then); the default is 30."""
+    import uvicorn
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    assert main(["serve", "--model", str(tiny_dir), "--dtype", "float32", "--max-model-len", "64",
+                 "--timeout-graceful-shutdown", "5"]) == 0
+    assert seen["timeout_graceful_shutdown"] == 5.0
+    assert main(["serve", "--model", str(tiny_dir), "--dtype", "float32", "--max-model-len", "64"]) == 0
+    assert seen["timeout_graceful_shutdown"] == 30.0
+    assert main(["serve", "--model", str(tiny_dir), "--timeout-graceful-shutdown", "-1"]) == 2
