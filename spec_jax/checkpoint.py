@@ -54,6 +54,8 @@ def read_json(path: Path) -> dict:
             value = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
+    except NotADirectoryError:
+        raise CheckpointError(f"{path.parent} is a file; a model is a directory (or a .gguf file)") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(value, dict):

@@ -197,7 +197,11 @@ def metadata(reader: gguf.GGUFReader, path: Path, key: str, default=...):
         if default is ...:
             raise CheckpointError(f"{path} has no metadata key {key!r}, which a Qwen3.5/Next GGUF needs")
         return default
-    value = field.contents()
+    try:
+        value = field.contents()
+    except (ValueError, IndexError, TypeError) as e:  # UnicodeDecodeError too: a flipped bit in a string
+        raise CheckpointError(f"{path}: metadata key {key!r} cannot be read ({type(e).__name__}: {e}); the "
+                              f"file's header is corrupt") from None
     return float(str(np.float32(value))) if isinstance(value, float) else value  # 1e-06, not 9.99999997e-07
 
 
@@ -217,6 +221,9 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> Qwen3_5Config:
     n_layers = get(K.LLM.BLOCK_COUNT) - nextn
     has_nextn = nextn > 0 and gguf.TENSOR_NAMES[NEXTN["mtp.fc.weight"]].format(bid=n_layers) + ".weight" in names
     head_dim, v_heads = get(K.Attention.KEY_LENGTH), get(K.SSM.TIME_STEP_RANK)
+    for key, value in ((K.Attention.KEY_LENGTH, head_dim), (K.SSM.TIME_STEP_RANK, v_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:  # both divide below
+            raise CheckpointError(f"{path}: metadata {key.format(arch=arch)} = {value!r} must be a positive integer")
     eos = [get(key, None) for key in (K.Tokenizer.EOS_ID, K.Tokenizer.EOT_ID, K.Tokenizer.EOM_ID)]
     hf = {
         "model_type": MODEL_TYPES[arch], "vocab_size": int(embed.shape[1]), "hidden_size": get(K.LLM.EMBEDDING_LENGTH),
@@ -328,7 +335,17 @@ def gguf_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
     beside = path.parent / "tokenizer.json"
     if beside.exists():
         return Tokenizer(beside)
-    reader = open_gguf(path)
+    try:
+        return tokenizer_from_metadata(open_gguf(path), path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # tokenizers raises a bare Exception for a vocabulary it cannot build
+        raise CheckpointError(f"{path}: its tokenizer metadata does not build a tokenizer ({e}); put the "
+                              f"model's tokenizer.json next to the file") from None
+
+
+def tokenizer_from_metadata(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
+    """`gguf_tokenizer`'s rebuild from `tokenizer.ggml.*`, or None for a vocabulary it does not know."""
     get = lambda key: metadata(reader, path, key, None)  # noqa: E731
     K = gguf.Keys.Tokenizer
     pre = get(K.PRE)

@@ -244,3 +244,11 @@ def test_index_shards_stay_inside_the_model_directory(tiny_dir, tmp_path, shard)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match="a shard is a file name inside"):
         load_model(d)
+
+
+def test_a_draft_model_that_is_a_file_is_named(tiny_dir, tmp_path):
+    f = tmp_path / "draft.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="draft.bin is a file; a model is a directory"):
+        LLM(model=str(tiny_dir), dtype="float32", max_model_len=64,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": str(f)})

@@ -245,3 +245,27 @@ def test_missing_tensor_is_named(broken):
     edit_in_place(broken, lambda reader: rename(reader, "blk.2.ssm_alpha.weight", "blk.2.ssm_alpha.weighx"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'blk.2.ssm_alpha.weight'"):
         load_model(broken)
+
+
+@pytest.mark.parametrize("key", ["qwen35.attention.key_length", "qwen35.ssm.time_step_rank"])
+def test_zero_sizes_in_the_header_are_named(broken, key):
+    def zero(reader):
+        reader.fields[key].parts[-1][0] = 0
+    edit_in_place(broken, zero)
+    with pytest.raises(CheckpointError, match=rf"metadata {key} = 0 must be a positive integer"):
+        load_model(broken)
+
+
+def test_zero_full_attention_interval_is_named(broken):
+    edit_in_place(broken, lambda reader: reader.fields["qwen35.full_attention_interval"].parts[-1].__setitem__(0, 0))
+    with pytest.raises(CheckpointError, match="full_attention_interval=0 must be an integer >= 1"):
+        load_model(broken)
+
+
+def test_a_flipped_bit_in_a_header_string_is_named(broken):
+    def flip(reader):
+        field = reader.fields["general.architecture"]
+        field.parts[-1][0] = 0xFF  # not UTF-8
+    edit_in_place(broken, flip)
+    with pytest.raises(CheckpointError, match="general.architecture.*cannot be read"):
+        load_model(broken)
