@@ -55,6 +55,10 @@ class InnerProposer:
     def taps(self) -> tuple[int, ...]:
         return getattr(self.inner, "taps", ())
 
+    @property
+    def may_not_draft(self) -> bool:
+        return getattr(self.inner, "may_not_draft", False)
+
     def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
         inner_state, own = state
         return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), own

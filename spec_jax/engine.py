@@ -171,8 +171,9 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
     accept, roll every cache back to the accepted prefix, append n_acc + 1 tokens per row.
 
     Rows that do not speculate (or whose proposer found nothing) carry n_draft = 0: their
-    verify pass is a plain decode step of one token, in the same batch. A step where no row has
-    a draft (an ngram miss everywhere) runs a one-token pass instead of the k+1 verify.
+    verify pass is a plain decode step of one token, in the same batch. For proposers that can
+    come up empty (`may_not_draft`: ngram), a step where no row has a draft runs a one-token pass
+    instead of the k+1 verify; other methods always draft, and compile only the verify.
     """
     B, L = state.tokens.shape
     k, rows, live = plan.k, jnp.arange(B), ~state.done
@@ -210,7 +211,10 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
         emitted = jnp.concatenate([nxt[:, None], drafts], axis=1)
         return jnp.zeros_like(n_draft), emitted, cache, TargetOut(pad(target.hidden), pad(target.taps))
 
-    n_acc, emitted, cache, target = jax.lax.cond(jnp.any(n_draft > 0), verify, decode_only, None)
+    if getattr(plan.proposer, "may_not_draft", False):
+        n_acc, emitted, cache, target = jax.lax.cond(jnp.any(n_draft > 0), verify, decode_only, None)
+    else:
+        n_acc, emitted, cache, target = verify(None)
     pstate = plan.proposer.update(model, draft, pstate, target, emitted, n_acc, state.lengths, choose)
 
     s = state.stats

@@ -96,7 +96,7 @@ def test_config_is_frozen_and_hashable():
 def test_direct_construction_is_validated():
     assert SpeculativeConfig("qwen3_next_mtp", 2).method == "mtp"
     assert SpeculativeConfig("ngram", 2).prompt_lookup_max == 5
-    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_speculative_tokens must be between 1 and 64, got 0"):
         SpeculativeConfig("mtp", 0)
 
 
@@ -183,7 +183,7 @@ def test_ngram_requires_k():
 
 @pytest.mark.parametrize("k", [0, -2])
 def test_k_must_be_positive(k):
-    with pytest.raises(ValueError, match=f"num_speculative_tokens must be >= 1, got {k}"):
+    with pytest.raises(ValueError, match=f"num_speculative_tokens must be between 1 and 64, got {k}"):
         parse({"method": "ngram", "num_speculative_tokens": k})
 
 
@@ -205,7 +205,7 @@ def test_lookup_min_above_max():
 
 @pytest.mark.parametrize("name", ["prompt_lookup_min", "prompt_lookup_max"])
 def test_lookup_bound_below_one(name):
-    with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=f"{name} must be between 1 and 1024, got 0"):
         parse({"method": "ngram", "num_speculative_tokens": 3, name: 0})
 
 
