@@ -77,13 +77,20 @@ METHODS = {
     "mtp1": ({"method": "mtp", "num_speculative_tokens": 1}, None),
     "mtp2": ({"method": "mtp", "num_speculative_tokens": 2}, None),
     "mtp3": ({"method": "mtp", "num_speculative_tokens": 3}, None),
+    "mtp1_v32k": ({"method": "mtp", "num_speculative_tokens": 1, "draft_vocab_size": 32768}, None),
+    "mtp3_v32k": ({"method": "mtp", "num_speculative_tokens": 3, "draft_vocab_size": 32768}, None),
     "ngram": ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}, None),
+    "no_drafts": ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+                  None),
     "dflash": ({"method": "dflash", "num_speculative_tokens": 15}, "dflash"),
     "dspark": ({"method": "dspark", "num_speculative_tokens": 16}, "dspark"),
     "eagle3": ({"method": "eagle3", "num_speculative_tokens": 3}, "eagle3"),
     "draft_model": ({"method": "draft_model", "num_speculative_tokens": 3}, "draft_model"),
 }
 DRAFTER_BLOCK = {"dflash": 16, "dspark": 16}  # the table compares DFlash and DSpark at one block size
+# ngram drafts only where the context repeats: at a = 0 its output stops repeating, so its cost
+# is taken at a = 1 (every step drafts k and the emitted drafts keep the lookup hitting).
+COST_AT = {"ngram": 1.0}
 
 
 def synthetic(config: dict, a: float) -> dict:
@@ -115,16 +122,20 @@ def repeated_prompts(cfg, batch: int, length: int, period: int = 32) -> list[lis
 
 
 def spec_rows(llm: LLM, name: str, batch: int, accept: list[float], prompt_len: int, new_tokens: int,
-              plain_step_ms: float) -> list[dict]:
-    """One method at one batch size: compile (first run, acceptance 0), then per acceptance a the
-    decode tokens/s, the speedup over spec off, the cost ratio c measured at a = 0 (every step
-    emits one token, so its time is (k c + 1) decode steps), the bound and the share reached."""
+              plain_step_ms: float, cost_tokens: int) -> list[dict]:
+    """One method at one batch size: compile (first run, acceptance 0), then the cost ratio c from
+    a `cost_tokens` run at acceptance COST_AT (0: every step emits one token, so its time is
+    (k c + 1) decode steps; 1: k + 1 tokens a step), then per acceptance a the decode tokens/s,
+    the speedup over spec off, the bound and the share reached. "no_drafts" runs ngram with every
+    row opted out (`speculative=False`): its one row is the cost of a step where no row drafts."""
     k = llm.engine.plan.k
     prompts = (repeated_prompts if name == "ngram" else random_prompts)(llm.cfg, batch, prompt_len)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    cost_at = COST_AT.get(name, 0.0)
     rows, c = [], None
-    for i, a in enumerate([0.0, *accept]):
+    for i, a in enumerate([cost_at, *([] if name == "no_drafts" else accept)]):
         set_acceptance(llm, a)
+        params = SamplingParams(max_tokens=cost_tokens if i == 0 else new_tokens, temperature=0.0, ignore_eos=True,
+                                speculative=name != "no_drafts")
         t = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         first_s = time.perf_counter() - t
@@ -133,13 +144,13 @@ def spec_rows(llm: LLM, name: str, batch: int, accept: list[float], prompt_len: 
         m = outs[0].metrics
         steps = m["batch_decode_steps"]
         step_ms = 1e3 * m["decode_s"] / steps
-        tok_s = batch * (new_tokens - 1) / m["decode_s"]
+        tok_s = batch * (params.max_tokens - 1) / m["decode_s"]
         plain_tok_s = batch / (plain_step_ms / 1e3)
         drafted_steps = sum(o.metrics["num_drafts"] for o in outs) / (batch * steps)
         mal = float(np.mean([o.metrics["mean_acceptance_length"] for o in outs]))
         if i == 0:
-            c = (step_ms / plain_step_ms - 1) / k
-            row = {"first_run_s": first_s}
+            c = (step_ms / plain_step_ms - 1) / k  # whatever the acceptance, a step costs k c + 1 decode steps
+            row = {"first_run_s": first_s, "cost_at": cost_at}
         else:
             s_bound = bound(a, k, c)
             # The same bound at the acceptance length this run drew (a short run draws few steps).
@@ -192,8 +203,10 @@ def ttft_rows(model, lengths: list[int]) -> list[dict]:
 
 
 def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
-    """GPU time per decode step inside the engine's loop, by category and by kernel."""
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    """GPU time per decode step inside the engine's loop (a speculative step for a speculating
+    `llm`), by category and by kernel."""
+    per_step = 1 + (llm.engine.plan.k if llm.engine.plan else 0)  # the most tokens a step emits
+    params = SamplingParams(max_tokens=per_step * (steps + 2) + 8, temperature=0.0, ignore_eos=True)
     state = llm.prefill(random_prompts(llm.cfg, batch, prompt_len), params)
     state = llm.decode(state, 2)  # compiled already by generate; warm
     holder = [state]
@@ -225,7 +238,7 @@ def print_methods(result: dict) -> None:
     print(f"{'method':<12} {'B':>2} {'k':>2} {'a':>5} {'tok/s':>8} {'speedup':>8} {'c':>6} {'bound':>6} "
           f"{'of bound':>8} {'acc len':>7} {'of bound at drawn':>17}")
     for r in result["methods"]:
-        if r["acceptance"] == 0.0:
+        if "bound" not in r:  # the cost run
             continue
         print(f"{r['method']:<12} {r['batch']:>2} {r['k']:>2} {r['acceptance']:>5.2f} {r['tok_s']:>8.1f} "
               f"{r['speedup']:>7.2f}x {r['c']:>6.3f} {r['bound']:>5.2f}x {r['of_bound']:>7.1%} "
@@ -253,6 +266,7 @@ def main() -> None:
     ap.add_argument("--spec-new-tokens", type=int, default=512,
                     help="tokens a method run generates: at k = 15 and a = 0.85 a step emits 6 on average, so "
                          "fewer steps than this leave the drawn acceptance far from a")
+    ap.add_argument("--cost-tokens", type=int, default=65, help="tokens of the run that measures a method's c")
     ap.add_argument("--first-token", action="store_true",
                     help="first: time from the process start to one request's first token (run it twice to see "
                          "the persistent compilation cache; SPEC_JAX_XLA_CACHE names its folder)")
@@ -280,18 +294,25 @@ def main() -> None:
         result["profile"] = profile_decode(llm, args.batch[0], args.prompt_len, args.steps)
         print_profile(result["profile"])
     save()
-    save()
     plain_ms = {row["batch"]: row["step_ms"] for row in result["decode"]}
     result["methods"], result["memory"] = [], {}
     for name in args.methods:
         config, drafter = METHODS[name]
         draft = random_drafter(drafter, cfg, block_size=DRAFTER_BLOCK.get(name)) if drafter else None
         config = {**config, "model": "random, made on the device"} if drafter else config
+        if "draft_vocab_size" in config:  # small geometries have fewer ids
+            config["draft_vocab_size"] = min(config["draft_vocab_size"], cfg.vocab_size // 2)
         spec = llm.with_speculation(synthetic(config, 0.0), draft=draft)
         result["memory"][name] = method_memory(spec, draft)
         for B in args.batch:
             result["methods"] += spec_rows(spec, name, B, args.acceptance, args.prompt_len, args.spec_new_tokens,
-                                           plain_ms[B])
+                                           plain_ms[B], args.cost_tokens)
+            if args.profile:
+                set_acceptance(spec, COST_AT.get(name, 0.0))
+                prof = result.setdefault("method_profiles", {})[f"{name} B={B}"] = profile_decode(
+                    spec, B, args.prompt_len, args.steps)
+                print(f"{name}, batch {B}, speculative steps at a = {COST_AT.get(name, 0.0)}:")
+                print_profile(prof, top=12)
             save()
         del spec, draft
     print_methods(result)

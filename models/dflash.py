@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.qwen3 import PlainRMSNorm
-from models.qwen3_5 import MLP, KVCache, Linear, apply_rope, attend_masked, scan_layers
+from models.qwen3_5 import MLP, KVCache, Linear, apply_rope, attend_masked, scan_layers, unstack_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,12 +172,26 @@ class DFlashDraft(nnx.Module):
         self.hidden_norm = PlainRMSNorm(H, cfg.rms_norm_eps)
         self.norm = PlainRMSNorm(H, cfg.rms_norm_eps)
         self.layers = nnx.List([DFlashLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype)])
+        self.unstacked = nnx.data(None)  # the layers with arrays of their own, after `use_decode_layout`
         vocab = cfg.draft_vocab_size or cfg.vocab_size
         self.markov_head = MarkovHead(vocab, cfg.markov_rank, dtype=dtype) if cfg.markov_rank else None
 
+    def use_decode_layout(self) -> None:
+        """Every layer's weights as arrays of their own, run unrolled: inside the decode loop XLA
+        copies a weight sliced out of a stack every step (`unstack_layers`). In place; repeatable."""
+        if self.unstacked is None:
+            self.unstacked = nnx.List([group[0] for group in unstack_layers(self, "layers")])
+
     def _scan(self, fn, xs_extra, init):
-        gdef, params = nnx.split(self.layers[0])
-        return scan_layers(lambda c, xs: fn(nnx.merge(gdef, xs[0]), c, *xs[1:]), init, (params, *xs_extra))
+        """fn(layer, carry, *x[i]) -> (carry, y) over the layers; the ys stacked [layers, ...]."""
+        if self.unstacked is None:
+            gdef, params = nnx.split(self.layers[0])
+            return scan_layers(lambda c, xs: fn(nnx.merge(gdef, xs[0]), c, *xs[1:]), init, (params, *xs_extra))
+        carry, ys = init, []
+        for i, layer in enumerate(self.unstacked):
+            carry, y = fn(layer, carry, *(x[i] for x in xs_extra))
+            ys.append(y)
+        return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Context K/V of every layer: [layers, B, L, kv, d]."""

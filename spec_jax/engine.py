@@ -290,11 +290,11 @@ class Engine:
     def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None,
                  draft=None):
         """draft: the proposer's own network (an NNX model), if its method has one. Where layers
-        run unrolled (the GPU) the target, and a Qwen3.5 draft model, switch to their decode layout
-        (`Qwen3_5Model.use_decode_layout`, in place), so no step copies a weight out of a stack."""
+        run unrolled (the GPU) the target and a drafter with stacked layers switch to their decode
+        layout (`Qwen3_5Model.use_decode_layout`, in place), so no step copies a weight out of a stack."""
         if unroll_layers():
             for network in (model, draft):
-                if isinstance(network, Qwen3_5Model):
+                if hasattr(network, "use_decode_layout"):
                     network.use_decode_layout()
         self.cfg: Qwen3_5Config = model.cfg
         self.max_model_len = max_model_len

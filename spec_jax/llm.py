@@ -25,7 +25,7 @@ from proposers.dflash import DFlashProposer
 from proposers.draft_model import DraftModelProposer
 from proposers.dspark import DSparkProposer
 from proposers.eagle3 import Eagle3Proposer
-from proposers.mtp import MTPProposer
+from proposers.mtp import DraftVocabHead, MTPProposer
 from proposers.ngram import NgramProposer
 from proposers.oracle import OracleProposer, OracleTokens, SyntheticAcceptance
 from spec_jax.checkpoint import load_model, read_json, resolve_dtype
@@ -200,6 +200,8 @@ class LLM:
                              f"{spec.method if spec else None!r} runs none; methods with one: {', '.join(NEEDS_MODEL)}")
         if draft is None and spec is not None and spec.method in NEEDS_MODEL:
             draft = load_draft(spec, self.cfg, self.model.dtype)
+        if spec is not None and spec.draft_vocab_size is not None:
+            draft = DraftVocabHead(self.model, spec.draft_vocab_size)
         cache_len = -(-self.max_model_len // CHUNK) * CHUNK
         plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg, cache_len, draft),
                                                   spec.num_speculative_tokens, rollback,

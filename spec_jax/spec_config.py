@@ -52,8 +52,14 @@ class SpeculativeConfig:
     Acted on: `method` (canonical, aliases folded), `num_speculative_tokens` (k >= 1), `model`,
     `prompt_lookup_min/max` (ngram window; both default to 5, one given copies to the other),
     `draft_sample_method`, `rejection_sample_method`, our own `oracle_corruption_rate`, and
-    `synthetic_acceptance_rates` / `synthetic_acceptance_length`. Every field after those is
-    accepted for vLLM compatibility and ignored.
+    `synthetic_acceptance_rates` / `synthetic_acceptance_length`, and our own `draft_vocab_size`.
+    Every field after those is accepted for vLLM compatibility and ignored.
+
+    `draft_vocab_size` n (method mtp) has the MTP head draft over token ids 0..n-1 only, so each
+    draft reads n rows of the lm_head instead of all of them: at Qwen3.6-27B the full head is
+    2.5 GB, three times the MTP block itself. BPE tokenizers number tokens in merge order, so the
+    low ids are the frequent ones (FR-Spec's frequency-ranked draft vocabulary). Verification is
+    unchanged: output stays exact, only drafts of rarer tokens are lost.
 
     `rejection_sample_method` "synthetic" (vLLM's benchmarking mode) accepts drafts at a dialled
     rate instead of by comparing them with the target: `synthetic_acceptance_rates` lists, per
@@ -80,6 +86,7 @@ class SpeculativeConfig:
     oracle_corruption_rate: float | None = None  # None: 0.0 for method oracle, off for the others
     synthetic_acceptance_rates: tuple | None = None
     synthetic_acceptance_length: float | None = None
+    draft_vocab_size: int | None = None  # ours, method mtp: draft over the first n token ids
     # ---- vLLM fields accepted and ignored
     enforce_eager: bool | None = None
     draft_tensor_parallel_size: int | None = None
@@ -123,6 +130,10 @@ class SpeculativeConfig:
         if rate is not None and not 0.0 <= rate <= 1.0:
             raise ValueError(f"oracle_corruption_rate must be in [0, 1], got {rate}")
         self._resolve_synthetic_rates()
+        n = self.draft_vocab_size
+        if n is not None and (self.method != "mtp" or n < 1):
+            raise ValueError(f"draft_vocab_size={n}: it applies to method 'mtp' (a positive number of token ids); "
+                             f"EAGLE-3 and DSpark drafters carry their own draft vocabulary")
 
     def __repr__(self) -> str:
         """Only the method, k and the fields that differ from their defaults."""
@@ -179,7 +190,7 @@ class SpeculativeConfig:
 
 ACTED_FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
                 "draft_sample_method", "rejection_sample_method", "oracle_corruption_rate",
-                "synthetic_acceptance_rates", "synthetic_acceptance_length")
+                "synthetic_acceptance_rates", "synthetic_acceptance_length", "draft_vocab_size")
 IGNORED_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name not in ACTED_FIELDS)
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
 ACCEPTED_METHODS = (*VLLM_METHODS, *OUR_METHODS, *METHOD_ALIASES)

@@ -1,6 +1,7 @@
 """On the GPU the engine runs the target in its decode layout (every layer's weights arrays of their
 own, layers unrolled) and other models' layer scans unrolled; forced on here, the unstacked target,
-its MTP head and the speculative step reproduce the rolled model's greedy output."""
+its MTP head, a block drafter's unstacked layers and the speculative step reproduce the rolled
+model's greedy output."""
 
 import dataclasses
 import gc
@@ -17,6 +18,8 @@ from bench.models import geometry_config, random_model, streamed_bytes
 from models import qwen3_5
 from models.qwen3_5 import Batch, Qwen3_5Config
 from spec_jax import LLM, engine
+from spec_jax.random_checkpoint import write_dflash_checkpoint
+from test_dspark import DSPARK
 
 
 def test_unrolled_layers_reproduce_the_rolled_model(monkeypatch, tiny_dir, plain_greedy):
@@ -29,6 +32,18 @@ def test_unrolled_layers_reproduce_the_rolled_model(monkeypatch, tiny_dir, plain
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert llm.model.layers is None and len(llm.model.groups) == llm.cfg.num_groups  # the decode layout
     assert llm.model.mtp.layer is not None
+    assert_greedy_equals_plain(llm, plain_greedy)
+
+
+def test_block_drafter_decode_layout_reproduces_plain_greedy(monkeypatch, tmp_path, tiny_dir, plain_greedy):
+    """DSpark (the DFlash backbone plus the Markov head) with its layers unstacked and unrolled."""
+    monkeypatch.setattr(qwen3_5, "unroll_layers", lambda: True)
+    monkeypatch.setattr(engine, "unroll_layers", lambda: True)
+    drafter = write_dflash_checkpoint(tmp_path, DSPARK, seed=2, layout="dspark")
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
+              speculative_config={"method": "dspark", "model": str(drafter), "num_speculative_tokens": 4})
+    _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    assert draft.layers is None and len(draft.unstacked) == DSPARK.num_hidden_layers
     assert_greedy_equals_plain(llm, plain_greedy)
 
 

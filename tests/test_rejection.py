@@ -101,12 +101,15 @@ def second_tokens(model_dir, spec, seeds, temperature=1.0):
     return np.asarray([o.outputs[0].token_ids for o in outs])
 
 
-@pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
-def test_end_to_end_first_speculative_token_matches_plain(echo_dir, draft_sample_method):
+@pytest.mark.parametrize("draft_sample_method,draft_vocab_size",
+                         [("greedy", None), ("probabilistic", None), ("probabilistic", 24)])
+def test_end_to_end_first_speculative_token_matches_plain(echo_dir, draft_sample_method, draft_vocab_size):
     """Two tokens per request: the first comes from prefill, the second from one speculative step
-    (or one plain step). Their joint distributions must agree (two-sample chi-square)."""
+    (or one plain step). Their joint distributions must agree (two-sample chi-square), also when
+    the MTP head drafts from a reduced vocabulary (its q is zero past it)."""
     n = 2048
-    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": draft_sample_method}
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": draft_sample_method,
+            "draft_vocab_size": draft_vocab_size}
     plain = second_tokens(echo_dir, None, range(n))
     spec_on = second_tokens(echo_dir, spec, range(n, 2 * n))
     joint = lambda t: t[:, 0] * 64 + t[:, 1]
