@@ -296,13 +296,15 @@ def main() -> None:
     save()
     plain_ms = {row["batch"]: row["step_ms"] for row in result["decode"]}
     result["methods"], result["memory"] = [], {}
+    compiled = {}  # methods with one config (ngram, no_drafts) share one speculating LLM
     for name in args.methods:
         config, drafter = METHODS[name]
         draft = random_drafter(drafter, cfg, block_size=DRAFTER_BLOCK.get(name)) if drafter else None
         config = {**config, "model": "random, made on the device"} if drafter else config
         if "draft_vocab_size" in config:  # small geometries have fewer ids
             config["draft_vocab_size"] = min(config["draft_vocab_size"], cfg.vocab_size // 2)
-        spec = llm.with_speculation(synthetic(config, 0.0), draft=draft)
+        key = json.dumps(config, sort_keys=True) if draft is None else name
+        spec = compiled.setdefault(key, llm.with_speculation(synthetic(config, 0.0), draft=draft))
         result["memory"][name] = method_memory(spec, draft)
         for B in args.batch:
             result["methods"] += spec_rows(spec, name, B, args.acceptance, args.prompt_len, args.spec_new_tokens,
@@ -315,6 +317,8 @@ def main() -> None:
                 print_profile(prof, top=12)
             save()
         del spec, draft
+        if key == name:
+            compiled.pop(key)
     print_methods(result)
     if args.ttft:
         del llm
