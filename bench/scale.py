@@ -304,7 +304,9 @@ def main() -> None:
         if "draft_vocab_size" in config:  # small geometries have fewer ids
             config["draft_vocab_size"] = min(config["draft_vocab_size"], cfg.vocab_size // 2)
         key = json.dumps(config, sort_keys=True) if draft is None else name
-        spec = compiled.setdefault(key, llm.with_speculation(synthetic(config, 0.0), draft=draft))
+        if key not in compiled:
+            compiled[key] = llm.with_speculation(synthetic(config, 0.0), draft=draft)
+        spec = compiled[key]
         result["memory"][name] = method_memory(spec, draft)
         for B in args.batch:
             result["methods"] += spec_rows(spec, name, B, args.acceptance, args.prompt_len, args.spec_new_tokens,
