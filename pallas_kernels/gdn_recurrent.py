@@ -19,7 +19,9 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.gdn_common import L2_EPS, prepare_qk
 
-MAX_UNROLL = 16
+# Verify passes up to k = 31 drafts run unrolled and in the kernel (DSpark's block 16 verifies
+# 17 tokens); past it the rolled scan's per-token kernels cost more than its compile saves.
+MAX_UNROLL = 32
 
 
 def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = False):

@@ -19,7 +19,7 @@ def inputs(T, **kw):
     return random_inputs(T, **{"nv": 4, "dk": 32, "dv": 64, **kw})
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 8, 17])
 def test_kernel_matches_reference_with_every_state_kept(T):
     args = inputs(T, seed=T)
     o, s, states = gdn_recurrent_pallas(*args, keep_states=True, interpret=True)
