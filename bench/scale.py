@@ -27,6 +27,7 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -35,6 +36,7 @@ from bench.models import (GEOMETRIES, geometry_config, nbytes, random_drafter, r
 from bench.step_profile import busy_ns, summarize, trace_calls
 from models import qwen3_5
 from pallas_kernels.quant_matmul import FORMATS
+from proposers.ngram import NgramProposer
 from spec_jax import LLM, SamplingParams
 
 HBM_CEILING = 4.3e12  # B/s, H200 device-to-device copy measured here (DESIGN.md)
@@ -88,9 +90,28 @@ METHODS = {
     "draft_model": ({"method": "draft_model", "num_speculative_tokens": 3}, "draft_model"),
 }
 DRAFTER_BLOCK = {"dflash": 16, "dspark": 16}  # the table compares DFlash and DSpark at one block size
-# ngram drafts only where the context repeats: at a = 0 its output stops repeating, so its cost
-# is taken at a = 1 (every step drafts k and the emitted drafts keep the lookup hitting).
-COST_AT = {"ngram": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramAlwaysDrafting(NgramProposer):
+    """Benchmark-only ngram: the lookup runs as usual, and a row it finds nothing for drafts k
+    copies of its newest token. A random model's output never repeats its prompt, so without
+    this ngram would never draft and its drafting step could not be timed; with synthetic
+    acceptance the accepted copies then repeat, and the lookup hits as on real text."""
+
+    def propose(self, model, draft, state, tokens, lengths, choose):
+        drafts, n_draft, q, state = super().propose(model, draft, state, tokens, lengths, choose)
+        newest = tokens[jnp.arange(tokens.shape[0]), lengths - 1]
+        missed = n_draft == 0
+        return jnp.where(missed[:, None], newest[:, None], drafts), jnp.where(missed, self.k, n_draft), q, state
+
+
+def always_drafting(llm: LLM) -> None:
+    """Swap a speculating ngram `llm`'s proposer for `NgramAlwaysDrafting` (before it compiles)."""
+    plan, inner = llm.engine.plan, llm.engine.plan.proposer.inner
+    fields = {f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)}
+    llm.engine.plan = dataclasses.replace(plan, proposer=dataclasses.replace(plan.proposer,
+                                                                              inner=NgramAlwaysDrafting(**fields)))
 
 
 def synthetic(config: dict, a: float) -> dict:
@@ -116,23 +137,17 @@ def bound(a: float, k: int, c: float) -> float:
     return tokens / (k * c + 1)
 
 
-def repeated_prompts(cfg, batch: int, length: int, period: int = 32) -> list[list[int]]:
-    """Prompts that repeat a random `period`-token phrase, so ngram lookup finds matches."""
-    return [(p[:period] * (length // period + 1))[:length] for p in random_prompts(cfg, batch, period, seed=7)]
-
-
 def spec_rows(llm: LLM, name: str, batch: int, accept: list[float], prompt_len: int, new_tokens: int,
               plain_step_ms: float, cost_tokens: int) -> list[dict]:
     """One method at one batch size: compile (first run, acceptance 0), then the cost ratio c from
-    a `cost_tokens` run at acceptance COST_AT (0: every step emits one token, so its time is
-    (k c + 1) decode steps; 1: k + 1 tokens a step), then per acceptance a the decode tokens/s,
+    a `cost_tokens` run at acceptance 0 (every step emits one token, so its time is (k c + 1)
+    decode steps), then per acceptance a the decode tokens/s,
     the speedup over spec off, the bound and the share reached. "no_drafts" runs ngram with every
     row opted out (`speculative=False`): its one row is the cost of a step where no row drafts."""
     k = llm.engine.plan.k
-    prompts = (repeated_prompts if name == "ngram" else random_prompts)(llm.cfg, batch, prompt_len)
-    cost_at = COST_AT.get(name, 0.0)
+    prompts = random_prompts(llm.cfg, batch, prompt_len)
     rows, c = [], None
-    for i, a in enumerate([cost_at, *([] if name == "no_drafts" else accept)]):
+    for i, a in enumerate([0.0, *([] if name == "no_drafts" else accept)]):
         set_acceptance(llm, a)
         params = SamplingParams(max_tokens=cost_tokens if i == 0 else new_tokens, temperature=0.0, ignore_eos=True,
                                 speculative=name != "no_drafts")
@@ -149,8 +164,8 @@ def spec_rows(llm: LLM, name: str, batch: int, accept: list[float], prompt_len: 
         drafted_steps = sum(o.metrics["num_drafts"] for o in outs) / (batch * steps)
         mal = float(np.mean([o.metrics["mean_acceptance_length"] for o in outs]))
         if i == 0:
-            c = (step_ms / plain_step_ms - 1) / k  # whatever the acceptance, a step costs k c + 1 decode steps
-            row = {"first_run_s": first_s, "cost_at": cost_at}
+            c = (step_ms / plain_step_ms - 1) / k
+            row = {"first_run_s": first_s}
         else:
             s_bound = bound(a, k, c)
             # The same bound at the acceptance length this run drew (a short run draws few steps).
@@ -306,16 +321,18 @@ def main() -> None:
         key = json.dumps(config, sort_keys=True) if draft is None else name
         if key not in compiled:
             compiled[key] = llm.with_speculation(synthetic(config, 0.0), draft=draft)
+            if config["method"] == "ngram":
+                always_drafting(compiled[key])
         spec = compiled[key]
         result["memory"][name] = method_memory(spec, draft)
         for B in args.batch:
             result["methods"] += spec_rows(spec, name, B, args.acceptance, args.prompt_len, args.spec_new_tokens,
                                            plain_ms[B], args.cost_tokens)
             if args.profile:
-                set_acceptance(spec, COST_AT.get(name, 0.0))
+                set_acceptance(spec, 0.0)
                 prof = result.setdefault("method_profiles", {})[f"{name} B={B}"] = profile_decode(
                     spec, B, args.prompt_len, args.steps)
-                print(f"{name}, batch {B}, speculative steps at a = {COST_AT.get(name, 0.0)}:")
+                print(f"{name}, batch {B}, speculative steps at a = 0:")
                 print_profile(prof, top=12)
             save()
         del spec, draft
