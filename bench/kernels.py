@@ -26,7 +26,7 @@ import numpy as np
 from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
 from pallas_kernels.nvfp4_mma_mosaic import MAX_ROWS as MOSAIC_MAX_ROWS
-from pallas_kernels.quant_matmul import (FORMATS, MOSAIC_GEMV_ROWS, Tiling, nvfp4_mosaic_matmul, has_tma, quant_matmul,
+from pallas_kernels.quant_matmul import (FORMATS, MOSAIC_GEMV_ROWS, Tiling, has_tma, nvfp4_mosaic_matmul, quant_matmul,
                                          quant_matmul_pallas, quant_matmul_reference, quantize)
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")

@@ -3,7 +3,7 @@
 Every bench script builds its target here. No checkpoint is written: at 27B the bf16 weights are
 54 GB, too much for the GPU machine's disk and minutes of host RNG; drawing them with
 `jax.random` straight into device memory takes seconds. Each parameter follows the test
-checkpoints' distribution (`spec_jax.random_checkpoint.init_rule`: norm weights random too, so a
+checkpoints' distribution (`spec_jax.writing.random_checkpoint.init_rule`: norm weights random too, so a
 missing `1 + w` cannot hide) and the activations stay O(1) through 64 layers.
 
     from bench.models import geometry_config, random_model
@@ -25,8 +25,8 @@ from flax import nnx
 
 from models import qwen3_5
 from models.qwen3_5 import Linear, Qwen3_5Config, Qwen3_5Model, quantize_linears
-from spec_jax.checkpoint import param_sources
-from spec_jax.random_checkpoint import init_rule, random_drafter_config
+from spec_jax.loading.source import param_sources
+from spec_jax.writing.random_checkpoint import init_rule, random_drafter_config
 
 # qwen35_architecture.md section 1.2; "tiny" is a CPU smoke-test size.
 GEOMETRIES = {
@@ -107,7 +107,7 @@ DRAFT_MODEL_GEOMETRY = "0.8b"  # the draft_model method's drafter: the smallest 
 def random_drafter(method: str, target: Qwen3_5Config, dtype="bfloat16", *, block_size: int | None = None,
                    seed: int = 1):
     """A random drafter network of `method` that fits `target`, made on the device: DFlash /
-    DSpark / EAGLE-3 as `spec_jax.random_checkpoint.random_drafter_config` shapes them, and for
+    DSpark / EAGLE-3 as `spec_jax.writing.random_checkpoint.random_drafter_config` shapes them, and for
     draft_model a Qwen3.5-0.8B geometry (the family's vocabulary, so its drafts are target ids)."""
     if method == "draft_model":
         cfg = dataclasses.replace(geometry_config(DRAFT_MODEL_GEOMETRY), mtp_num_hidden_layers=0,

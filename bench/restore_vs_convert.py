@@ -23,11 +23,11 @@ from flax import nnx
 
 from bench.models import GEOMETRIES, geometry_config
 from pallas_kernels.quant_matmul import FORMATS
-from spec_jax.checkpoint import load_model
-from spec_jax.checkpoint_quant import quantize_projections
-from spec_jax.convert import convert
-from spec_jax.gguf_writer import write_gguf
-from spec_jax.random_checkpoint import write_checkpoint
+from spec_jax.loading import load_model
+from spec_jax.loading.quantized import quantize_projections
+from spec_jax.writing.convert import convert
+from spec_jax.writing.gguf_writer import write_gguf
+from spec_jax.writing.random_checkpoint import write_checkpoint
 
 
 def timed(load) -> float:

@@ -12,7 +12,7 @@ attention, KVCache, Batch) are the Qwen3.5 model's; what differs from Qwen3.5:
 
 All layers are stacked on a leading axis and run under one `scan_layers`; the model is pure over
 an explicit `KVCache` [num_layers, B, L, kv_heads, head_dim]. Checkpoint name mapping lives in
-`spec_jax/checkpoint_qwen3.py`; attribute names mirror the HF tensor names.
+`spec_jax/loading/qwen3.py`; attribute names mirror the HF tensor names.
 
 Shapes: B batch rows, T new tokens, L cache length, H hidden, V vocab.
 """
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.qwen3_5 import (FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, cached_attention,
-                             check_head_groups, scan_layers, zeros_param)
+                            check_head_groups, scan_layers, zeros_param)
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 

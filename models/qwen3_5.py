@@ -8,7 +8,7 @@ gives every layer's weights arrays of their own, runs the layers unrolled and jo
 that read the same input: a decode step then reads each weight in place, in few long passes.
 
 The model is pure over explicit caches: `Qwen3_5Model.__call__` takes the caches and returns
-new ones (see `ModelCache`). Checkpoint name mapping lives in `spec_jax/checkpoint.py`; module
+new ones (see `ModelCache`). Checkpoint name mapping lives in `spec_jax/loading/source.py`; module
 attribute names mirror the HF tensor names so that mapping stays thin. Linear weights keep the
 checkpoint's [out, in] layout.
 

@@ -94,7 +94,7 @@ class SyntheticAcceptance(InnerProposer):
     commit what was accepted, as in a real run, so a method's speed at any acceptance can be
     measured before its drafter is trained, and no near-tie can knock the run off its rate.
 
-    The engine accepts by `spec_jax.sampling.accept_synthetic` when its proposer is this. The
+    The engine accepts by `spec_jax.engine.sampling.accept_synthetic` when its proposer is this. The
     conditional rates reach the device at prefill as data (`reference` [B, k]), not as
     constants, so one executable serves every rate.
     """

@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.qwen3_5 import Qwen3_5Config
-from spec_jax.random_checkpoint import write_checkpoint
+from spec_jax.writing.random_checkpoint import write_checkpoint
 
 NAME = "default-random-v1"
 ASSETS = Path(__file__).parent / "assets" / "default"  # the trained checkpoint, when shipped

@@ -1,9 +1,8 @@
 """Shared fixtures: tiny random checkpoints written by our own writer, HF fixtures on disk."""
 
+import dataclasses
 import os
 from pathlib import Path
-
-import dataclasses
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ os.environ.setdefault("SPEC_JAX_XLA_CACHE", str(Path(__file__).parent.parent / "
 
 from models.qwen3_5 import Qwen3_5Config  # noqa: E402
 from spec_jax import SamplingParams  # noqa: E402
-from spec_jax.random_checkpoint import write_checkpoint  # noqa: E402
+from spec_jax.writing.random_checkpoint import write_checkpoint  # noqa: E402
 
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from spec_jax import LLM, SamplingParams
-from spec_jax.batch_eval import read_requests
-from spec_jax.cli import main
+from spec_jax.api.batch_eval import read_requests
+from spec_jax.api.cli import main
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}  # test_speculative compiles the same
 

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-
 from conftest import HF_FIXTURES
+
 from spec_jax import LLM, SamplingParams
-from spec_jax.cli import main
+from spec_jax.api.cli import main
 
 
 def test_generate_command_with_token_ids(capsys):
@@ -52,7 +52,7 @@ def test_generate_command_speculates(capsys):
 
 
 def test_random_checkpoint_script_writes_loadable_target_and_drafter(tmp_path):
-    from spec_jax.random_checkpoint import main as write
+    from spec_jax.writing.random_checkpoint import main as write
 
     write(["target", str(tmp_path / "t"), "--text-only"])
     write(["dflash", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--block-size", "4"])

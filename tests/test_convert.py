@@ -2,12 +2,13 @@
 
 import numpy as np
 import pytest
-
 from conftest import HF_FIXTURES
+
 from spec_jax import LLM
-from spec_jax.checkpoint import CheckpointError, load_model
-from spec_jax.cli import main
-from spec_jax.convert import convert
+from spec_jax.api.cli import main
+from spec_jax.loading import load_model
+from spec_jax.loading.source import CheckpointError
+from spec_jax.writing.convert import convert
 
 
 @pytest.mark.parametrize("case, dtype", [("moe_vl", "float32"), ("dense_vl", "bfloat16")])
@@ -69,7 +70,7 @@ def test_every_truncated_file_and_a_bad_marker_are_named(tmp_path):
 
 def test_a_gguf_converts_and_restores_to_the_same_logits(tmp_path, tiny_dir):
     """GGUF Q8_0 is dequantized once by convert; the restore gives the GGUF's own logits."""
-    from spec_jax.gguf_writer import write_gguf
+    from spec_jax.writing.gguf_writer import write_gguf
 
     gguf_file = write_gguf(tiny_dir, tmp_path / "src" / "tiny.gguf", "q8_0")
     convert(gguf_file, tmp_path / "out", "float32")

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spec_jax import LLM, SamplingParams
-from spec_jax import default_model
+from spec_jax import LLM, SamplingParams, default_model
 
 HELDOUT_CODE = Path(__file__).parent / "fixtures" / "heldout_code.json"
 # Held-out code agreement of the MTP head at the step training kept (training_log.json: 0.716),
@@ -71,8 +70,8 @@ def test_dflash_training_objective_scores_the_block_inference_drafts(trained_dir
     import jax.numpy as jnp
     from flax import nnx
 
-    from spec_jax.checkpoint_drafters import load_dflash
-    from spec_jax.engine import drafting_policy
+    from spec_jax.engine.steps import drafting_policy
+    from spec_jax.loading.drafters import load_dflash
     from spec_jax.training.train import dflash_loss
 
     prompt = json.loads(HELDOUT_CODE.read_text())["prompt_ids"]

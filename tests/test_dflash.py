@@ -8,14 +8,15 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DRAFT_GREEDY as GREEDY
+from conftest import HF_FIXTURES, assert_greedy_equals_plain
 from flax import nnx
 from safetensors import safe_open
 
-from conftest import DRAFT_GREEDY as GREEDY, HF_FIXTURES, assert_greedy_equals_plain
 from models.dflash import DFlashConfig
 from models.qwen3_5 import Batch, TargetOut, init_cache
-from spec_jax.checkpoint import load_model
-from spec_jax.random_checkpoint import write_dflash_checkpoint
+from spec_jax.loading import load_model
+from spec_jax.writing.random_checkpoint import write_dflash_checkpoint
 
 DRAFTER = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, target_layer_ids=(1, 4, 6), mask_token_id=510,

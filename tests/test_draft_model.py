@@ -7,12 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DRAFT_GREEDY as GREEDY
+from conftest import HF_FIXTURES, TINY
+from conftest import drafter_prompts as prompts
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from conftest import DRAFT_GREEDY as GREEDY, HF_FIXTURES, TINY, drafter_prompts as prompts
 from models.qwen3_5 import Batch
-from spec_jax.random_checkpoint import write_checkpoint
+from spec_jax.writing.random_checkpoint import write_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llm, tmp_path):
 
 @pytest.mark.parametrize("kind, method", [("dflash", "dflash"), ("dspark", "dspark"), ("eagle3", "eagle3")])
 def test_a_drafter_checkpoint_is_not_a_draft_model(tiny_llm, tiny_dir, tmp_path, kind, method):
-    from spec_jax.random_checkpoint import main as write
+    from spec_jax.writing.random_checkpoint import main as write
 
     write([kind, str(tmp_path / kind), "--target", str(tiny_dir), "--layers", "1"])
     with pytest.raises(ValueError, match=f"is a {method} drafter .*; set method to '{method}'"):

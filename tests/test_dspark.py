@@ -7,12 +7,14 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DRAFT_GREEDY as GREEDY
+from conftest import assert_greedy_equals_plain
+from conftest import drafter_prompts as prompts
 from flax import nnx
 
-from conftest import DRAFT_GREEDY as GREEDY, assert_greedy_equals_plain, drafter_prompts as prompts
 from models.dflash import DFlashConfig
 from spec_jax import LLM, SamplingParams
-from spec_jax.random_checkpoint import write_dflash_checkpoint
+from spec_jax.writing.random_checkpoint import write_dflash_checkpoint
 
 DSPARK = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, target_layer_ids=(1, 4, 6), mask_token_id=510,
@@ -36,7 +38,7 @@ def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, plain_greedy, 
 
 def test_both_layouts_load_the_same_drafter(tmp_path):
     from models.qwen3_5 import Qwen3_5Config
-    from spec_jax.checkpoint_drafters import load_dflash
+    from spec_jax.loading.drafters import load_dflash
 
     target = Qwen3_5Config(vocab_size=512, hidden_size=64, num_hidden_layers=8)
     native = load_dflash(write_dflash_checkpoint(tmp_path / "n", DSPARK, seed=5, layout="dspark"), target)

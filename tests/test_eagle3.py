@@ -8,13 +8,15 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import DRAFT_GREEDY as GREEDY
+from conftest import assert_greedy_equals_plain
+from conftest import drafter_prompts as prompts
 from flax import nnx
 from safetensors.numpy import load_file
 
-from conftest import DRAFT_GREEDY as GREEDY, assert_greedy_equals_plain, drafter_prompts as prompts
 from models.eagle3 import Eagle3Config
 from models.qwen3_5 import Batch, init_cache
-from spec_jax.random_checkpoint import write_eagle3_checkpoint
+from spec_jax.writing.random_checkpoint import write_eagle3_checkpoint
 
 HEAD = Eagle3Config(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     vocab_size=512, draft_vocab_size=128, target_layer_ids=(1, 3, 5), target_hidden_size=64)

@@ -9,7 +9,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from spec_jax import LLM, SamplingParams
-from spec_jax.checkpoint import CheckpointError, load_model
+from spec_jax.loading import load_model
+from spec_jax.loading.source import CheckpointError
 
 
 def test_prompt_longer_than_max_model_len(tiny_llm):
@@ -148,7 +149,7 @@ def test_llm_arguments_are_checked(tiny_dir, kwargs, message):
 
 
 def test_seeds_past_32_bits_draw_differently():
-    from spec_jax.llm import seed_key
+    from spec_jax.api.llm import seed_key
 
     keys = [np.asarray(jax.random.key_data(seed_key(s))) for s in (0, 2**62, 2**32, -5)]
     assert len({k.tobytes() for k in keys}) == 4

@@ -9,14 +9,15 @@ import re
 import warnings
 from pathlib import Path
 
+from conftest import TINY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY
 from models.qwen3_5 import Qwen3_5Config
-from spec_jax.checkpoint import CheckpointError, parse_config
-from spec_jax.random_checkpoint import hf_config
-from spec_jax.spec_config import FIELD_NAMES, SpeculativeConfig, parse_speculative_config
+from spec_jax.engine.spec_config import FIELD_NAMES, SpeculativeConfig, parse_speculative_config
+from spec_jax.loading.source import CheckpointError, parse_config
+from spec_jax.writing.random_checkpoint import hf_config
+
 
 def fuzz(n: int) -> settings:
     """n examples, reproducible (no example database, a fixed seed), no time limits."""

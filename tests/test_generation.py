@@ -8,7 +8,7 @@ from flax import nnx
 
 from models.qwen3_5 import Batch, init_cache
 from spec_jax import SamplingParams
-from spec_jax.checkpoint import load_model
+from spec_jax.loading import load_model
 
 
 @pytest.fixture(scope="module")

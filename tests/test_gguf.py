@@ -1,5 +1,5 @@
-"""GGUF targets: HF checkpoints written as GGUF by spec_jax.gguf_writer (llama.cpp's names and
-transforms), loaded back by spec_jax.checkpoint_gguf, against the safetensors originals."""
+"""GGUF targets: HF checkpoints written as GGUF by spec_jax.writing.gguf_writer (llama.cpp's names and
+transforms), loaded back by spec_jax.loading.gguf, against the safetensors originals."""
 
 import dataclasses
 import functools
@@ -10,15 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HF_FIXTURES, TINY
 from flax import nnx
 
-from conftest import HF_FIXTURES, TINY
 from models.qwen3_5 import Batch, init_cache, init_mtp_cache
 from spec_jax import LLM, SamplingParams
-from spec_jax.checkpoint import CheckpointError, load_model
-from spec_jax.checkpoint_gguf import gguf_tokenizer, reorder_v_heads
-from spec_jax.gguf_writer import write_gguf
-from spec_jax.random_checkpoint import write_checkpoint
+from spec_jax.loading import load_model
+from spec_jax.loading.gguf import gguf_tokenizer, reorder_v_heads
+from spec_jax.loading.source import CheckpointError
+from spec_jax.writing.gguf_writer import write_gguf
+from spec_jax.writing.random_checkpoint import write_checkpoint
 
 
 def relative_error(got, want) -> float:
@@ -143,7 +144,7 @@ def test_llm_generates_from_a_gguf_directory_as_from_safetensors(dense_gguf, tin
 
 
 def test_cli_generates_from_a_gguf_file(dense_gguf, capsys):
-    from spec_jax.cli import main
+    from spec_jax.api.cli import main
 
     assert main(["generate", "--model", str(dense_gguf / "tiny.gguf"), "--dtype", "float32", "--max-model-len", "256",
                  "--max-num-seqs", "4", "--prompt-token-ids", "5,6,7,8", "--max-tokens", "4"]) == 0
@@ -163,7 +164,7 @@ def test_mtp_on_a_gguf_without_nextn_is_refused(tiny_dir, tmp_path):
 def test_tokenizer_is_rebuilt_from_the_gguf_vocabulary(pre, tmp_path):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from spec_jax.checkpoint_gguf import PRE_TOKENIZER_PATTERNS
+    from spec_jax.loading.gguf import PRE_TOKENIZER_PATTERNS
 
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre == "gpt2")

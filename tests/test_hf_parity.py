@@ -6,8 +6,8 @@ tests/fixtures/make_hf_fixtures.py; CI needs no torch.
 
 import numpy as np
 import pytest
-
 from conftest import HF_FIXTURES
+
 from spec_jax import LLM, SamplingParams
 
 # dense/moe: VL-wrapped and text-only layouts of the same weights; moe_vl is sharded with fused

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from conftest import TINY, assert_greedy_equals_plain
 from flax import nnx
+from test_dspark import DSPARK
 
 from bench.models import geometry_config, random_model, streamed_bytes
 from models import qwen3_5
 from models.qwen3_5 import Batch, Qwen3_5Config
-from spec_jax import LLM, engine
-from spec_jax.random_checkpoint import write_dflash_checkpoint
-from test_dspark import DSPARK
+from spec_jax import LLM
+from spec_jax.engine import steps as engine
+from spec_jax.writing.random_checkpoint import write_dflash_checkpoint
 
 
 def test_unrolled_layers_reproduce_the_rolled_model(monkeypatch, tiny_dir, plain_greedy):

@@ -4,12 +4,12 @@ its reduced draft vocabulary."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import HF_FIXTURES, assert_greedy_equals_plain
-from proposers.mtp import DraftVocabHead
+
 from models.qwen3_5 import Batch, init_cache, init_mtp_cache
+from proposers.mtp import DraftVocabHead
 from spec_jax import SamplingParams
-from spec_jax.checkpoint import load_model
+from spec_jax.loading import load_model
 
 
 def mtp_logits(model, ids: np.ndarray) -> np.ndarray:

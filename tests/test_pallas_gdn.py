@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_gdn import random_inputs, rel
 
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
-from test_gdn import random_inputs, rel
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 

@@ -11,25 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.quant_matmul import (
-    FEW_PROGRAMS,
-    FORMATS,
-    GEMV_FALLBACK,
-    MANY_ROWS_TILINGS,
-    HALF_MIN_BYTES,
-    MULTIPLY_AND_SUM_TILING,
-    ONE_ROW_TILINGS,
-    QuantizedWeight,
-    decode_e2m1,
-    dequantize,
-    nvfp4_from_modelopt,
-    Tiling,
-    pick_tiling,
-    quant_matmul,
-    quant_matmul_pallas,
-    quant_matmul_reference,
-    quantize,
-)
+from pallas_kernels.quant_matmul import (FEW_PROGRAMS, FORMATS, GEMV_FALLBACK, HALF_MIN_BYTES, MANY_ROWS_TILINGS,
+                                         MULTIPLY_AND_SUM_TILING, ONE_ROW_TILINGS, QuantizedWeight, Tiling,
+                                         decode_e2m1, dequantize, nvfp4_from_modelopt, pick_tiling, quant_matmul,
+                                         quant_matmul_pallas, quant_matmul_reference, quantize)
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 N, K = 128, 256

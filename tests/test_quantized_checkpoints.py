@@ -1,6 +1,6 @@
 """Qwen's FP8 and ModelOpt's NVFP4 checkpoints load quantized and run; `convert --quantization`.
 
-Checkpoints come from our writer (spec_jax.quantize_checkpoint) over random models. The published
+Checkpoints come from our writer (spec_jax.writing.quantize_checkpoint) over random models. The published
 layouts are checked against their specs with an independent numpy decoder (tensor names, dtypes,
 scale shapes, nibble order, scale semantics); the quantized model must equal, to float rounding,
 the float model loaded from that decoding; and its logits are compared with the unquantized
@@ -22,12 +22,13 @@ from safetensors.numpy import load_file, save_file
 
 from models.qwen3_5 import Batch, Linear, Qwen3_5Config, init_mtp_cache
 from spec_jax import LLM, SamplingParams
-from spec_jax.checkpoint import CheckpointError, canonical_name, load_model, param_sources
-from spec_jax.checkpoint_quant import QUANTIZED_PROJECTIONS, QuantizedSource, quantize_projections, read_quant_scheme
-from spec_jax.cli import main
-from spec_jax.engine import Engine
-from spec_jax.quantize_checkpoint import quantize_checkpoint
-from spec_jax.random_checkpoint import write_checkpoint
+from spec_jax.api.cli import main
+from spec_jax.engine.steps import Engine
+from spec_jax.loading import load_model
+from spec_jax.loading.quantized import QUANTIZED_PROJECTIONS, QuantizedSource, quantize_projections, read_quant_scheme
+from spec_jax.loading.source import CheckpointError, canonical_name, param_sources
+from spec_jax.writing.quantize_checkpoint import quantize_checkpoint
+from spec_jax.writing.random_checkpoint import write_checkpoint
 
 LOGIT_TOLERANCE = {"fp8": 0.1, "nvfp4": 0.3}  # relative logit error vs the unquantized model, ~2x the worst seen
 CODES = {"fp8": ml_dtypes.float8_e4m3fn, "nvfp4": np.uint8}

@@ -1,4 +1,4 @@
-"""The plain Qwen3 model (`models/qwen3.py`) and its loader (`spec_jax/checkpoint_qwen3.py`).
+"""The plain Qwen3 model (`models/qwen3.py`) and its loader (`spec_jax/loading/qwen3.py`).
 
 Parity is against HF transformers 5.17 on tiny random checkpoints it wrote itself
 (tests/fixtures/make_qwen3_fixture.py): `qwen3/` untied without biases, `qwen3/tied_bias/` tied
@@ -18,8 +18,8 @@ from safetensors.numpy import load_file, save_file
 
 from models.qwen3 import Qwen3Config, init_qwen3_cache
 from models.qwen3_5 import Batch, KVCache
-from spec_jax.checkpoint import CheckpointError
-from spec_jax.checkpoint_qwen3 import load_qwen3
+from spec_jax.loading.qwen3 import load_qwen3
+from spec_jax.loading.source import CheckpointError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen3"
 VARIANTS = {"untied": FIXTURE, "tied_bias": FIXTURE / "tied_bias"}

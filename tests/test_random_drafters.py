@@ -1,11 +1,11 @@
-"""`python -m spec_jax.random_checkpoint <method> DIR --target T` writes a drafter in each published
+"""`python -m spec_jax.writing.random_checkpoint <method> DIR --target T` writes a drafter in each published
 layout that loads and speculates on the target it was fitted to, output equal to plain decoding."""
 
 import numpy as np
 import pytest
 
 from spec_jax import SamplingParams
-from spec_jax.random_checkpoint import main
+from spec_jax.writing.random_checkpoint import main
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 CASES = [  # (writer kind, extra flags, speculative config without model)

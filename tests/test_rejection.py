@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from spec_jax import LLM, SamplingParams
-from spec_jax.sampling import RowSampling, accept_drafts, warp_logits
+from spec_jax.engine.sampling import RowSampling, accept_drafts, warp_logits
 
 N, V, K = 40000, 6, 2
 P_VALUE = 1e-3  # fixed seeds make each test deterministic; this only sizes the bound

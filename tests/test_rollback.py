@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from models.qwen3_5 import Batch, GDNCache, KVCache, init_cache
-from spec_jax.checkpoint import load_model
+from spec_jax.loading import load_model
 
 L, N_PROMPT, K = 128, 11, 3
 

@@ -12,14 +12,14 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from conftest import TINY
 from fastapi.testclient import TestClient
 
-from conftest import TINY
 from spec_jax import LLM, SamplingParams
+from spec_jax.api.scheduler import Scheduler
+from spec_jax.api.server import APIError, ChatTemplate, Server, build_app, read_chat_template
 from spec_jax.default_model import train_tokenizer
-from spec_jax.scheduler import Scheduler
-from spec_jax.server import APIError, ChatTemplate, Server, build_app, read_chat_template
-from spec_jax.tokenizer import Tokenizer
+from spec_jax.loading.tokenizer import Tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -6,10 +6,8 @@ import warnings
 
 import pytest
 
-from spec_jax.spec_config import (
-    IMPLEMENTED_METHODS, MTP_ALIASES, VLLM_METHODS, SpeculativeConfig, canonical_method, infer_method,
-    parse_speculative_config,
-)
+from spec_jax.engine.spec_config import (IMPLEMENTED_METHODS, MTP_ALIASES, VLLM_METHODS, SpeculativeConfig,
+                                         canonical_method, infer_method, parse_speculative_config)
 
 
 def parse(spec, **kwargs):

@@ -6,8 +6,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import HF_FIXTURES
+
 from models.qwen3_5 import Batch, init_cache, init_mtp_cache
 from spec_jax import LLM, SamplingParams
 
@@ -111,7 +111,7 @@ def test_streaming_yields_the_same_tokens(echo_dir, plain_echo):
 def test_mtp_state_after_rollbacks_matches_a_full_forward(echo_dir):
     """After a run with rejections, the MTP head's next draft and hidden state equal those of a
     fresh MTP pass over the whole sequence: its KV cache was rewritten correctly."""
-    from spec_jax.engine import DecodeState  # noqa: F401  (the state the LLM runs)
+    from spec_jax.engine.steps import DecodeState  # noqa: F401  (the state the LLM runs)
 
     llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=1,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})

@@ -8,7 +8,7 @@ import pytest
 from conftest import DRAFT_GREEDY, drafter_prompts
 
 from spec_jax import LLM, SamplingParams
-from spec_jax.spec_config import parse_speculative_config
+from spec_jax.engine.spec_config import parse_speculative_config
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic"}
 

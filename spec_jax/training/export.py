@@ -23,11 +23,11 @@ from safetensors.numpy import save_file
 from models.dflash import DFlashConfig
 from models.qwen3 import Qwen3Config
 from models.qwen3_5 import Qwen3_5Config
-from spec_jax.checkpoint import is_stacked, param_sources
-from spec_jax.checkpoint_drafters import dflash_sources
-from spec_jax.checkpoint_qwen3 import qwen3_sources
-from spec_jax.random_checkpoint import drafter_config_json, hf_config, named_leaves
+from spec_jax.loading.drafters import dflash_sources
+from spec_jax.loading.qwen3 import qwen3_sources
+from spec_jax.loading.source import is_stacked, param_sources
 from spec_jax.training.corpus import tokenizer_config
+from spec_jax.writing.random_checkpoint import drafter_config_json, hf_config, named_leaves
 
 MAX_SHARD_BYTES = 15 * 10**6
 

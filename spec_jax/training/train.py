@@ -329,7 +329,7 @@ def train_draft(corpus: Corpus, tcfg, tparams, args, dtype, key):
 
 def load_target(model_dir: str):
     """An exported target as float32 masters: (cfg, params)."""
-    from spec_jax.checkpoint import load_model
+    from spec_jax.loading import load_model
 
     model, cfg = load_model(model_dir, "float32")
     return cfg, nnx.state(model)

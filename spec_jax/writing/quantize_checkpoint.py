@@ -1,6 +1,6 @@
 """Quantize a small HF checkpoint into a published quantized layout, for tests and benchmarks:
 
-    python -m spec_jax.quantize_checkpoint SRC_DIR OUT_DIR --format fp8|nvfp4
+    python -m spec_jax.writing.quantize_checkpoint SRC_DIR OUT_DIR --format fp8|nvfp4
 
 fp8    Qwen's official FP8 (Qwen/Qwen3.6-27B-FP8 and kin): the projections (`QUANTIZED_PROJECTIONS`,
        routed experts split one tensor per expert) become float8_e4m3fn `weight` plus
@@ -31,8 +31,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from pallas_kernels.quant_matmul import GROUP, nvfp4_to_modelopt, quantize
-from spec_jax.checkpoint import TensorSource, read_json
-from spec_jax.checkpoint_quant import QUANTIZED_PROJECTIONS
+from spec_jax.loading.quantized import QUANTIZED_PROJECTIONS
+from spec_jax.loading.source import TensorSource, read_json
 
 FORMATS = ("fp8", "nvfp4")
 quantize_jit = jax.jit(quantize, static_argnames="fmt")  # one compiled program per weight shape
@@ -130,7 +130,7 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, fmt: str, *, s
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m spec_jax.quantize_checkpoint",
+    ap = argparse.ArgumentParser(prog="python -m spec_jax.writing.quantize_checkpoint",
                                  description="Quantize a small HF checkpoint into Qwen's FP8 or ModelOpt's NVFP4 layout.")
     ap.add_argument("src", help="an HF safetensors checkpoint directory (bf16 or f32)")
     ap.add_argument("out", help="the directory to write")

@@ -3,14 +3,13 @@ Speculators; EAGLE-3 Speculators), checked against the target they will draft fo
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
+import os
 
 from models.dflash import DFlashConfig, DFlashDraft
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.qwen3_5 import Qwen3_5Config
-from spec_jax.checkpoint import TensorSource, fill_params, read_config, resolve_dtype
+from spec_jax.loading.source import TensorSource, fill_params, read_config, resolve_dtype
 
 ATTENTION_PARAMS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 

@@ -1,8 +1,8 @@
 """Write an HF Qwen3.5/3.6/Next checkpoint as GGUF, the way llama.cpp's converter lays it out.
 
-    python -m spec_jax.gguf_writer HF_DIR OUT.gguf [--type f32|f16|bf16|q8_0|q4_k|q6_k] [--no-mtp]
+    python -m spec_jax.writing.gguf_writer HF_DIR OUT.gguf [--type f32|f16|bf16|q8_0|q4_k|q6_k] [--no-mtp]
 
-For test checkpoints (spec_jax/random_checkpoint.py writes the HF side). Names come from gguf-py's
+For test checkpoints (spec_jax/writing/random_checkpoint.py writes the HF side). Names come from gguf-py's
 own tables and the transforms are `checkpoint_gguf.to_gguf` (the converter's, applied forward);
 the MTP head becomes the nextn block, as llama.cpp's Qwen3.5 converter writes it (its Qwen3-Next
 converter drops MTP; this writer keeps it for qwen3next too).
@@ -27,10 +27,11 @@ import numpy as np
 from tqdm import tqdm
 
 from models.qwen3_5 import Qwen3_5Config
-from spec_jax.checkpoint import TensorSource, abstract_model, is_stacked, load_config, param_sources, read_json, read_tensor
-from spec_jax.checkpoint_gguf import (ARCHS, GPT2_PRE_TOKENIZERS, PRE_TOKENIZER_PATTERNS, TILED_V_HEADS, arch_of,
-                                      gguf_names, to_gguf)
-from spec_jax.random_checkpoint import tensor_slots
+from spec_jax.loading.gguf import (ARCHS, GPT2_PRE_TOKENIZERS, PRE_TOKENIZER_PATTERNS, TILED_V_HEADS, arch_of,
+                                   gguf_names, to_gguf)
+from spec_jax.loading.source import (TensorSource, abstract_model, is_stacked, load_config, param_sources, read_json,
+                                     read_tensor)
+from spec_jax.writing.random_checkpoint import tensor_slots
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q4_K, "q6_k": Q.Q6_K}
@@ -253,7 +254,7 @@ def write_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike, type_name: str
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m spec_jax.gguf_writer", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m spec_jax.writing.gguf_writer", description=__doc__.split("\n")[0])
     ap.add_argument("hf_dir", help="an HF Qwen3.5/3.6/Next safetensors checkpoint directory")
     ap.add_argument("out", help="the .gguf file to write")
     ap.add_argument("--type", default="f32", choices=list(TYPES), help="how matrices are stored (default f32)")

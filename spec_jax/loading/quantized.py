@@ -33,7 +33,7 @@ from flax import nnx
 
 from models.qwen3_5 import SCALE_NAMES, Linear, Qwen3_5Config, quantize_linears
 from pallas_kernels.quant_matmul import QuantizedWeight, dequantize, nvfp4_from_modelopt, quantize
-from spec_jax.checkpoint import CheckpointError, TensorSource, param_sources, read_json
+from spec_jax.loading.source import CheckpointError, TensorSource, param_sources, read_json
 
 # Linears that the published FP8 and NVFP4 checkpoints quantize (module names, any layer).
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",

@@ -87,7 +87,7 @@ def parse_ids(text: str, flag: str) -> list[int]:
 
 
 def load_llm(args):
-    from spec_jax.llm import LLM
+    from spec_jax.api.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -99,7 +99,7 @@ def load_llm(args):
 
 
 def generate(args) -> None:
-    from spec_jax.llm import SamplingParams
+    from spec_jax.api.llm import SamplingParams
 
     if not args.prompt and not args.prompt_token_ids:
         raise SystemExit("error: give --prompt TEXT or --prompt-token-ids IDS")
@@ -138,7 +138,7 @@ def generate(args) -> None:
 def serve(args) -> None:
     import uvicorn
 
-    from spec_jax.server import Server, build_app
+    from spec_jax.api.server import Server, build_app
 
     server = Server(load_llm(args), served_model_name=args.served_model_name, chat_template=args.chat_template,
                     steps_per_chunk=args.steps_per_chunk)
@@ -150,14 +150,14 @@ def serve(args) -> None:
 
 
 def bench(args) -> None:
-    from spec_jax.batch_eval import run_file
+    from spec_jax.api.batch_eval import run_file
 
     run_file(load_llm(args), args.input, args.output, args.metrics, max_tokens=args.max_tokens,
              temperature=args.temperature, warmup=not args.no_warmup)
 
 
 def convert(args) -> None:
-    from spec_jax.convert import convert as write
+    from spec_jax.writing.convert import convert as write
 
     t0 = time.perf_counter()
     out = write(args.model, args.output, args.dtype, args.quantization)

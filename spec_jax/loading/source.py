@@ -1,6 +1,7 @@
-"""Loading HF safetensors checkpoints of Qwen3.5 / Qwen3.6 / Qwen3-Next into the NNX model.
+"""The bottom of loading: configs, checkpoint errors, `TensorSource` (HF safetensors, read by
+name) and `fill_params`, which every format's loader uses to build a model one parameter at a time.
 
-Handles every released layout: one file or shards with `model.safetensors.index.json`;
+The safetensors name mapping handles every released layout: one file or shards with `model.safetensors.index.json`;
 VL-wrapped (`model.language_model.*`, vision tensors ignored), text-only (`model.*`) and MLX
 (`language_model.model.*`) prefixes; Qwen3-Next's fused, key-head-grouped `in_proj_qkvz` /
 `in_proj_ba`; routed experts fused (`experts.gate_up_proj`) or one tensor per expert; `mtp.*`
@@ -311,50 +312,7 @@ def checked_values(name: str, arr: np.ndarray, want) -> np.ndarray:
     return arr
 
 
-def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, progress: bool | None = None):
-    """Load a Qwen3.5/3.6/Next checkpoint into a `Qwen3_5Model`.
-
-    dtype: compute dtype of the weights (norm weights, A_log and dt_bias stay float32).
-    Returns (model, cfg); cfg loses its MTP head when the checkpoint has no `mtp.*` tensors.
-    FP8 and NVFP4 checkpoints keep their quantized projections quantized (`checkpoint_quant`).
-    """
-    from spec_jax.checkpoint_quant import QuantizedSource, read_quant_scheme
-
-    scheme = read_quant_scheme(model_dir)
-    src = TensorSource(model_dir) if scheme is None else QuantizedSource(model_dir, scheme)
-    if cfg.mtp_num_hidden_layers and "mtp.fc.weight" not in src:
-        # A checkpoint exported without its MTP head still runs; speculation with mtp refuses it.
-        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
-    elif not cfg.mtp_num_hidden_layers and "mtp.fc.weight" in src:
-        # config.json without mtp_num_hidden_layers: the head's tensors say how many layers it has.
-        layers = {name.split(".")[2] for name in src.names() if name.startswith("mtp.layers.")}
-        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=len(layers))
-    make_model = lambda: Qwen3_5Model(cfg, dtype=dtype)  # noqa: E731
-    if scheme is not None:
-        make_model = src.keep_quantized(make_model, cfg)
-    model = fill_params(make_model, src,
-                        lambda path: (param_sources(path, cfg), is_stacked(path)),
-                        lambda name: read_tensor(src, name, cfg), progress=progress)
-    return model, cfg
-
-
 def set_path(tree: dict, path: tuple, value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
-
-
-def load_model(model_dir: str | os.PathLike, dtype="float32", *, progress: bool | None = None):
-    """Config + weights: returns (Qwen3_5Model, Qwen3_5Config). A directory written by
-    `spec-jax convert` is restored with Orbax instead of converted again; a `.gguf` file (or a
-    directory holding one and no safetensors) is read by `checkpoint_gguf`."""
-    from spec_jax.checkpoint_gguf import find_gguf, load_gguf
-    from spec_jax.convert import is_converted, restore
-
-    gguf_file = find_gguf(model_dir)
-    if gguf_file is not None:
-        return load_gguf(gguf_file, resolve_dtype(dtype), progress=progress)
-    if is_converted(model_dir):
-        return restore(model_dir, dtype if isinstance(dtype, str) else None)
-    cfg = load_config(model_dir)
-    return load_params(model_dir, cfg, resolve_dtype(dtype), progress=progress)

@@ -29,8 +29,8 @@ import gguf
 import numpy as np
 
 from models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
-from spec_jax.checkpoint import CheckpointError, fill_params, is_stacked, param_sources, read_tensor
-from spec_jax.tokenizer import Tokenizer
+from spec_jax.loading.source import CheckpointError, fill_params, is_stacked, param_sources, read_tensor
+from spec_jax.loading.tokenizer import Tokenizer
 
 ARCHS = {"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
          "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT}

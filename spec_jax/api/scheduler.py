@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.llm import LLM, SamplingParams, request_metrics
+from spec_jax.api.llm import LLM, SamplingParams, request_metrics
 
 MAX_STOP_TOKEN_IDS = 16  # per request besides EOS: the live batch's stop_ids width is fixed
 log = logging.getLogger(__name__)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 
-
 from models.qwen3 import Qwen3Config, Qwen3Model
-from spec_jax.checkpoint import TensorSource, fill_params, hf_name, read_config, resolve_dtype
+from spec_jax.loading.source import TensorSource, fill_params, hf_name, read_config, resolve_dtype
 
 
 def load_qwen3_config(model_dir: str | os.PathLike) -> Qwen3Config:

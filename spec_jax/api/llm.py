@@ -28,13 +28,16 @@ from proposers.eagle3 import Eagle3Proposer
 from proposers.mtp import DraftVocabHead, MTPProposer
 from proposers.ngram import NgramProposer
 from proposers.oracle import OracleProposer, OracleTokens, SyntheticAcceptance
-from spec_jax.checkpoint import load_model, read_json, resolve_dtype
-from spec_jax.checkpoint_drafters import load_dflash, load_eagle3
-from spec_jax.checkpoint_gguf import find_gguf, gguf_tokenizer
-from spec_jax.engine import DecodeState, Engine, SpecPlan, enable_compilation_cache
-from spec_jax.sampling import RowSampling
-from spec_jax.spec_config import NEEDS_MODEL, SpeculativeConfig, parse_speculative_config
-from spec_jax.tokenizer import Tokenizer
+from spec_jax.default_model import default_model_dir
+from spec_jax.engine.sampling import RowSampling
+from spec_jax.engine.spec_config import NEEDS_MODEL, SpeculativeConfig, parse_speculative_config
+from spec_jax.engine.steps import DecodeState, Engine, SpecPlan, enable_compilation_cache
+from spec_jax.loading import load_model
+from spec_jax.loading.drafters import load_dflash, load_eagle3
+from spec_jax.loading.gguf import find_gguf, gguf_tokenizer
+from spec_jax.loading.qwen3 import load_qwen3
+from spec_jax.loading.source import read_json, resolve_dtype
+from spec_jax.loading.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -148,7 +151,6 @@ class LLM:
                  max_num_seqs: int = 8, seed: int = 0, speculative_config=None, tokenizer: str | None = None,
                  rollback: str = "replay"):
         if model is None:
-            from spec_jax.default_model import default_model_dir
             model = str(default_model_dir())
         loaded = model if isinstance(model, Qwen3_5Model) else None
         if loaded is not None:
@@ -483,7 +485,6 @@ def load_draft(spec: SpeculativeConfig, target_cfg, dtype):
             raise ValueError(f"{spec.model!r} is a {method} drafter ({architectures or method}), not a model "
                              f"draft_model can run; set method to {method!r}")
     if config.get("model_type") == "qwen3":
-        from spec_jax.checkpoint_qwen3 import load_qwen3
         draft, cfg = load_qwen3(spec.model, dtype)
     else:
         draft, cfg = load_model(spec.model, dtype)

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from spec_jax.llm import LLM, RequestOutput, SamplingParams
+from spec_jax.api.llm import LLM, RequestOutput, SamplingParams
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
 LINE_KEYS = {"id", "prompt", "prompt_token_ids", *SAMPLING_KEYS}

@@ -26,7 +26,7 @@ from flax import nnx
 
 from models.qwen3_5 import CHUNK, Batch, Qwen3_5Config, Qwen3_5Model, TargetOut, init_cache, unroll_layers
 from proposers.oracle import SyntheticAcceptance
-from spec_jax.sampling import RowSampling, accept_drafts, accept_synthetic, draw, sample_tokens, warp_logits
+from spec_jax.engine.sampling import RowSampling, accept_drafts, accept_synthetic, draw, sample_tokens, warp_logits
 
 
 @jax.tree_util.register_dataclass

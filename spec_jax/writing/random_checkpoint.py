@@ -8,7 +8,6 @@ missing `1 + w` cannot hide — at scales that keep activations O(1).
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from pathlib import Path
 
@@ -18,8 +17,11 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from models.dflash import DFlashConfig, DFlashDraft
+from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.qwen3_5 import Qwen3_5Config
-from spec_jax.checkpoint import abstract_model, is_stacked, param_sources
+from spec_jax.loading.drafters import dflash_sources, eagle3_sources
+from spec_jax.loading.source import abstract_model, is_stacked, load_config, param_sources
 
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -160,8 +162,6 @@ def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, layout: 
     native or Speculators layout. Tensors: `fc.weight`, `hidden_norm.weight`, `norm.weight`,
     `layers.{i}.self_attn.*`, ..., and for DSpark `markov_head.markov_w{1,2}.weight` and
     `confidence_head.proj.*` (which inference does not use)."""
-    from models.dflash import DFlashDraft
-    from spec_jax.checkpoint_drafters import dflash_sources
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -182,8 +182,6 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
     """A random EAGLE-3 head in the Speculators layout. With cfg.draft_vocab_size < vocab_size it
     gets a reduced vocabulary: `d2t` maps draft id d to target id d + d2t[d] (a random sorted
     subset). midlayer_names: name the layer `midlayer.*` as the original EAGLE-3 release does."""
-    from models.eagle3 import Eagle3Draft
-    from spec_jax.checkpoint_drafters import eagle3_sources
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -223,8 +221,6 @@ def random_drafter_config(method: str, target: Qwen3_5Config, *, layers: int = 5
     eagle3: an Eagle3Config with one midlayer, three default taps, a draft vocabulary of up to
     32000 tokens. draft_model: a `layers`-layer Qwen3.5 of the target's geometry, no MTP head.
     """
-    from models.dflash import DFlashConfig
-    from models.eagle3 import Eagle3Config
 
     H, L, V = target.hidden_size, target.num_hidden_layers, target.vocab_size
     heads = dict(num_attention_heads=max(H // 128, 1), num_key_value_heads=max(H // 512, 1), head_dim=min(H, 128))
@@ -258,15 +254,14 @@ def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path
 def main(argv: list[str] | None = None) -> None:
     """Write small random checkpoints in the published layouts, for tests and benchmarks:
 
-        python -m spec_jax.random_checkpoint target DIR [--moe] [--text-only] [--seed N]
-        python -m spec_jax.random_checkpoint dflash|dspark|eagle3|draft_model DIR --target TARGET_DIR
+        python -m spec_jax.writing.random_checkpoint target DIR [--moe] [--text-only] [--seed N]
+        python -m spec_jax.writing.random_checkpoint dflash|dspark|eagle3|draft_model DIR --target TARGET_DIR
             [--layers 2] [--block-size N] [--layout dspark|speculators]
     """
     import argparse
 
-    from spec_jax.checkpoint import load_config
 
-    ap = argparse.ArgumentParser(prog="python -m spec_jax.random_checkpoint", description=main.__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m spec_jax.writing.random_checkpoint", description=main.__doc__.split("\n")[0])
     ap.add_argument("kind", choices=["target", "dflash", "dspark", "eagle3", "draft_model"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)

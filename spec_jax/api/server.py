@@ -36,8 +36,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from spec_jax.llm import LLM, SamplingParams
-from spec_jax.scheduler import MAX_STOP_TOKEN_IDS, Scheduler
+from spec_jax.api.llm import LLM, SamplingParams
+from spec_jax.api.scheduler import MAX_STOP_TOKEN_IDS, Scheduler
 
 
 class APIError(Exception):

@@ -1,0 +1,27 @@
+"""Checkpoints in, NNX models out. `source` is the bottom (configs, errors, `TensorSource`,
+`fill_params`); `safetensors`, `quantized`, `gguf`, `orbax` (directories `spec-jax convert`
+wrote), `drafters` and `qwen3` read their formats on top of it; `load_model` here picks one."""
+
+from __future__ import annotations
+
+import os
+
+from spec_jax.loading.gguf import find_gguf, load_gguf
+from spec_jax.loading.orbax import is_converted, restore
+from spec_jax.loading.safetensors import load_params
+from spec_jax.loading.source import CheckpointError, load_config, resolve_dtype
+
+__all__ = ["CheckpointError", "load_config", "load_model"]
+
+
+def load_model(model_dir: str | os.PathLike, dtype="float32", *, progress: bool | None = None):
+    """Config + weights: returns (Qwen3_5Model, Qwen3_5Config). A directory written by
+    `spec-jax convert` is restored with Orbax instead of converted again; a `.gguf` file (or a
+    directory holding one and no safetensors) is read by `loading.gguf`."""
+    gguf_file = find_gguf(model_dir)
+    if gguf_file is not None:
+        return load_gguf(gguf_file, resolve_dtype(dtype), progress=progress)
+    if is_converted(model_dir):
+        return restore(model_dir, dtype if isinstance(dtype, str) else None)
+    cfg = load_config(model_dir)
+    return load_params(model_dir, cfg, resolve_dtype(dtype), progress=progress)
