@@ -26,8 +26,9 @@ import numpy as np
 from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
 from pallas_kernels.nvfp4_mma_mosaic import MAX_ROWS as MOSAIC_MAX_ROWS
-from pallas_kernels.quant_matmul import (FORMATS, MOSAIC_GEMV_ROWS, Tiling, has_tma, nvfp4_mosaic_matmul, quant_matmul,
-                                         quant_matmul_pallas, quant_matmul_reference, quantize)
+from pallas_kernels.quant_formats import FORMATS, quant_matmul_reference, quantize
+from pallas_kernels.quant_matmul import (Tiling, has_tma, nvfp4_mosaic_matmul, quant_matmul, quant_matmul_pallas,
+                                         tuned_for)
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 
@@ -89,8 +90,8 @@ def tilings(fmt: str, M: int) -> list[Tiling]:
     """Tilings to try: (block_n, block_k, split_k, warps, stages), and for one row the GEMV ones,
     the last field saying packed halves or float32 multiply-and-sum.
     An fp8-block tile's rows stay inside one 128-row scale block; small M wants many programs in
-    flight (small block_n, or split K). The dispatcher's choices (`quant_matmul.ONE_ROW_TILINGS`,
-    `MULTIPLY_AND_SUM_TILING`, `MANY_ROWS_TILINGS`) are among them."""
+    flight (small block_n, or split K). The dispatcher's choices (`quant_matmul.TUNED`: one_row,
+    multiply_and_sum, many_rows) are among them."""
     if fmt == "fp8_block":
         shapes = [(64, 256, 1, 4, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (64, 128, 1, 4, 3), (64, 512, 2, 8, 3)]
         gemv = [(16, 512, 1, 4, 3, False), (16, 256, 1, 4, 3, False), (16, 256, 1, 4, 4, True), (16, 512, 2, 8, 4, True),
@@ -211,12 +212,12 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
 
 
 def mosaic_case(xs, qws, wbytes, ceiling, bf16_us) -> dict:
-    """The dispatcher's Mosaic GPU NVFP4 kernel for these rows (the f16x2 GEMV up to MOSAIC_GEMV_ROWS,
+    """The dispatcher's Mosaic GPU NVFP4 kernel for these rows (the f16x2 GEMV up to `TunedTilings.mosaic_gemv_rows`,
     the tensor-core one above) with its tiling: its error against dequantize-then-dot on N(0, 1) rows,
     the same rows times 3e4 and 1e-5, and with their first halves 10^4 smaller (every output finite),
     and its GPU time with cold weights."""
     (M, K), sm_count = xs[0].shape, jax.devices()[0].core_count
-    op = "nvfp4_gemv_mosaic" if M <= MOSAIC_GEMV_ROWS else "nvfp4_mma_mosaic"
+    op = "nvfp4_gemv_mosaic" if M <= tuned_for(jax.devices()[0].device_kind).mosaic_gemv_rows else "nvfp4_mma_mosaic"
     if jax.eval_shape(lambda x, q: nvfp4_mosaic_matmul(x, q, sm_count), xs[0], qws[0]) is None:  # traced, not run
         return {"op": op, "M": M, "shape": list(qws[0].shape), "tiling": None}
     f = jax.jit(lambda x, q: nvfp4_mosaic_matmul(x, q, sm_count))

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models import qwen3_5
-from models.qwen3_5 import Linear, Qwen3_5Config, Qwen3_5Model, quantize_linears
+from models.layers import Linear, quantize_linears
+from models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
+from spec_jax.engine.steps import default_decode_layout
 from spec_jax.loading.source import param_sources
 from spec_jax.writing.random_checkpoint import init_rule, random_drafter_config
 
@@ -152,17 +153,11 @@ def random_prompts(cfg: Qwen3_5Config, batch: int, length: int, seed: int = 0) -
     return [rng.integers(0, cfg.vocab_size, length).tolist() for _ in range(batch)]
 
 
-class RolledLayers(argparse.Action):
-    """Keep the layer scan rolled on the GPU too (models.qwen3_5.scan_layers) and the loaded stacked
-    layout, to compare."""
-
-    def __init__(self, option_strings, dest, **kw):
-        super().__init__(option_strings, dest, nargs=0, help=self.__doc__, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        qwen3_5.UNROLL_LAYERS_ON_GPU = False
+def add_layout_flag(ap: argparse.ArgumentParser) -> None:
+    """--rolled-layers: keep the loaded stacked layout under a rolled scan on the GPU too, to compare
+    with the engine's decode layout (`Qwen3_5Model.use_decode_layout`)."""
+    ap.add_argument("--rolled-layers", action="store_true", help=add_layout_flag.__doc__.split(": ", 1)[1])
 
 
-def layer_scan() -> str:
-    """How the layers run on this backend: "unrolled" (the decode layout) or "rolled"."""
-    return "unrolled" if qwen3_5.unroll_layers() else "rolled"
+def layout_name(rolled: bool) -> str:
+    return "rolled" if rolled else ("decode layout" if default_decode_layout() else "rolled")

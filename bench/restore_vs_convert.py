@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 
 from bench.models import GEOMETRIES, geometry_config
-from pallas_kernels.quant_matmul import FORMATS
+from pallas_kernels.quant_formats import FORMATS
 from spec_jax.loading import load_model
 from spec_jax.loading.quantized import quantize_projections
 from spec_jax.writing.convert import convert

@@ -3,7 +3,7 @@ the device (`bench.models`), driven through `LLM.generate` as a user would.
 
     python -m bench.scale --geometry 27b                       # plain decode, batch 1 and 8
     python -m bench.scale --geometry 27b --profile             # + where a decode step's GPU time goes
-    python -m bench.scale --geometry 27b --layers 16 --layout stacked   # quick probe, another layout
+    python -m bench.scale --geometry 27b --layers 16 --layout rolled    # quick probe, another layout
     python -m bench.scale --geometry 0.8b --quantization nvfp4          # any geometry, any weight format
     python -m bench.scale --geometry 27b --batch 1 --methods mtp1 dflash # the method table (see spec_rows)
     python -m bench.scale --geometry 27b --batch --first-token --ttft 4096 16384   # compile time, prefill
@@ -35,25 +35,23 @@ from bench.models import (GEOMETRIES, geometry_config, nbytes, random_drafter, r
                           streamed_bytes)
 from bench.step_profile import busy_ns, summarize, trace_calls
 from models import qwen3_5
-from pallas_kernels.quant_matmul import FORMATS
+from pallas_kernels.quant_formats import FORMATS
 from proposers.ngram import NgramProposer
 from spec_jax import LLM, SamplingParams
 
 HBM_CEILING = 4.3e12  # B/s, H200 device-to-device copy measured here (DESIGN.md)
 MATMUL_CEILING = 660e12  # FLOP/s, H200 bf16 8192^3 matmul measured here (DESIGN.md)
-LAYOUTS = ("decode", "unfused", "stacked", "rolled")
+LAYOUTS = ("decode", "unfused", "rolled")
 
 
 def use_layout(layout: str) -> None:
-    """A benchmark knob: "decode" is the engine's GPU default (`use_decode_layout`: unstacked,
-    unrolled, projections joined); "unfused" the same with every projection its own matmul;
-    "stacked" keeps the loaded [G, ...] stacks, unrolled; "rolled" keeps them under a rolled scan."""
+    """A benchmark knob, set before the LLM is built: "decode" is the engine's GPU default
+    (`use_decode_layout`: unstacked, unrolled, projections joined); "unfused" the same with every
+    projection its own matmul; "rolled" keeps the loaded [G, ...] stacks under a rolled scan."""
     if layout == "unfused":
         qwen3_5.DecoderLayer.fuse_projections = lambda self: None
-    elif layout == "stacked":
-        qwen3_5.Qwen3_5Model.use_decode_layout = lambda self: None
     elif layout == "rolled":
-        qwen3_5.UNROLL_LAYERS_ON_GPU = False
+        qwen3_5.Qwen3_5Model.use_decode_layout = lambda self: None
 
 
 def decode_rows(llm: LLM, batches, prompt_len: int, new_tokens: int, wbytes: int) -> list[dict]:

@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 from jax.profiler import ProfileData
 
-from bench.models import GEOMETRIES, RolledLayers, layer_scan
+from bench.models import GEOMETRIES, add_layout_flag, layout_name
 from bench.verify_cost import build_model, make_forward, timed
 from models.qwen3_5 import init_cache
-from pallas_kernels.quant_matmul import FORMATS
+from pallas_kernels.quant_formats import FORMATS
 
 TOP = 25
 NAME_WIDTH = 90
@@ -83,7 +83,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--calls", type=int, default=20, help="calls traced (and timed untraced) per pass")
     ap.add_argument("--context", type=int, default=384, help="tokens already in the cache")
     ap.add_argument("--cache-len", type=int, default=512)
-    ap.add_argument("--rolled-layers", action=RolledLayers)
+    add_layout_flag(ap)
     ap.add_argument("--quantization", choices=FORMATS, default=None, help="weight-only format of the projections")
     ap.add_argument("--out", default=None, help="write the full results (every kernel) here as JSON")
     return ap.parse_args()
@@ -299,7 +299,7 @@ def print_diff(decode: dict, verify: dict, families: list[dict], categories: lis
 
 def main() -> None:
     args = parse_args()
-    cfg, gdef, params = build_model(args.geometry, args.quantization)
+    cfg, gdef, params = build_model(args.geometry, args.quantization, args.rolled_layers)
     forward = make_forward(gdef, args.cache_len)
     print(f"{args.geometry} ({args.quantization or 'bf16'} projections) on {jax.devices()[0].device_kind}; "
           f"{args.calls} calls per pass", flush=True)
@@ -310,7 +310,7 @@ def main() -> None:
         passes = [("decode", 1, None)] + [(f"verify k={k} {args.rollback}", k + 1, args.rollback) for k in args.k]
         batch_runs = []
         for name, T, rollback in passes:
-            run = {"batch": B, "pass": name, "T": T, "layers": layer_scan(),
+            run = {"batch": B, "pass": name, "T": T, "layers": layout_name(args.rolled_layers),
                    **profile_pass(forward, params, cache, start, B, T, rollback, args.calls)}
             print_pass(run)
             batch_runs.append(run)

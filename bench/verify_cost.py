@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bench.models import GEOMETRIES, RolledLayers, geometry_config, layer_scan, random_model
-from models.qwen3_5 import Batch, init_cache, unroll_layers
-from pallas_kernels.quant_matmul import FORMATS
+from bench.models import GEOMETRIES, add_layout_flag, geometry_config, layout_name, random_model
+from models.layers import Batch
+from models.qwen3_5 import init_cache
+from pallas_kernels.quant_formats import FORMATS
+from spec_jax.engine.steps import default_decode_layout
 
 
 def timed(fn, *args, reps: int = 50) -> float:
@@ -30,12 +32,12 @@ def timed(fn, *args, reps: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t) / reps
 
 
-def build_model(geometry: str, quantization: str | None = None):
+def build_model(geometry: str, quantization: str | None = None, rolled: bool = False):
     """(config, graphdef, params) of a random bf16 model of a geometry made on the device, its
     projections in a weight-only format if given, in the layout the engine runs (the decode
-    layout where layers run unrolled)."""
+    layout on the GPU) unless `rolled`."""
     model = random_model(geometry_config(geometry), quantization=quantization)
-    if unroll_layers():
+    if default_decode_layout() and not rolled:
         model.use_decode_layout()
     gdef, params = nnx.split(model)
     return model.cfg, gdef, params
@@ -65,10 +67,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--context", type=int, default=384, help="tokens already in the cache")
     ap.add_argument("--cache-len", type=int, default=512)
-    ap.add_argument("--rolled-layers", action=RolledLayers)
+    add_layout_flag(ap)
     ap.add_argument("--quantization", choices=FORMATS, default=None, help="weight-only format of the projections")
     args = ap.parse_args()
-    cfg, gdef, params = build_model(args.geometry, args.quantization)
+    cfg, gdef, params = build_model(args.geometry, args.quantization, args.rolled_layers)
     L = args.cache_len
     forward = make_forward(gdef, L)
 
@@ -80,7 +82,7 @@ def main() -> None:
         base = None
         for name, T, rb in runs:
             tokens = jnp.ones((B, T), jnp.int32)
-            row = {"batch": B, "pass": name, "layers": layer_scan(), "quantization": args.quantization}
+            row = {"batch": B, "pass": name, "layers": layout_name(args.rolled_layers), "quantization": args.quantization}
             for with_logits in (False, True):
                 fn = jax.jit(lambda p, t, s, c, rb=rb, wl=with_logits: forward(p, t, s, c, rb, wl))
                 row["ms_with_logits" if with_logits else "ms_body"] = timed(fn, params, tokens, start, cache)

@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.qwen3 import PlainRMSNorm
-from models.qwen3_5 import MLP, KVCache, Linear, apply_rope, attend_masked, scan_layers, unstack_layers
+from models.layers import MLP, KVCache, Linear, PlainRMSNorm, apply_rope, attend_masked, scan_layers, unstack_layers
 
 
 @dataclasses.dataclass(frozen=True)

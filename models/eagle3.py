@@ -18,8 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from models.qwen3 import PlainRMSNorm
-from models.qwen3_5 import MLP, Batch, KVCache, Linear, apply_rope, cached_attention, zeros_param
+from models.layers import MLP, Batch, KVCache, Linear, PlainRMSNorm, apply_rope, cached_attention, zeros_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +124,20 @@ class Eagle3Draft(nnx.Module):
         """tokens [B, T] with the head's own embedding, or the target's `embed` method."""
         return self.embed_tokens[...][tokens] if self.embed_tokens is not None else target_embed(tokens)
 
-    def __call__(self, embedded, hidden, batch: Batch, cache: KVCache, kv_len: int):
-        """Returns (logits over the TARGET vocabulary [B, T, V] float32, pre-norm hidden, cache)."""
-        pre, cache = self.layers[0](embedded, hidden.astype(self.dtype), batch, cache, kv_len)
+    def run(self, embedded, hidden, batch: Batch, cache: KVCache, kv_len: int):
+        """embedded, hidden: [B, T, H] (hidden: fc of the taps, or the head's own output).
+        Returns the pre-norm output [B, T, H] (what chains) and the cache."""
+        return self.layers[0](embedded, hidden.astype(self.dtype), batch, cache, kv_len)
+
+    def logits(self, pre):
+        """Pre-norm output [..., H] -> float32 logits over the TARGET vocabulary [..., V] (-inf
+        off the draft vocabulary, whose ids map through d2t)."""
         draft_logits = self.lm_head(self.norm(pre)).astype(jnp.float32)
         target_ids = jnp.arange(self.cfg.draft_vocab_size) + self.d2t[...]
         full = jnp.full((*draft_logits.shape[:-1], self.cfg.vocab_size), -jnp.inf, jnp.float32)
-        return full.at[..., target_ids].set(draft_logits), pre, cache
+        return full.at[..., target_ids].set(draft_logits)
+
+    def __call__(self, embedded, hidden, batch: Batch, cache: KVCache, kv_len: int):
+        """Returns (logits over the TARGET vocabulary [B, T, V] float32, pre-norm hidden, cache)."""
+        pre, cache = self.run(embedded, hidden, batch, cache, kv_len)
+        return self.logits(pre), pre, cache

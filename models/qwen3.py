@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.qwen3_5 import (FULL, MLP, Batch, KVCache, Linear, Qwen3_5Model, apply_rope, cached_attention,
-                            check_head_groups, scan_layers, zeros_param)
+from models.layers import (MLP, Batch, KVCache, Linear, PlainRMSNorm, apply_rope, cached_attention, check_head_groups,
+                           scan_layers, unstack_layers, zeros_param)
+from models.qwen3_5 import FULL, Qwen3_5Model
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
@@ -135,21 +136,6 @@ class BiasedLinear(Linear):
         return y + self.bias[...].astype(y.dtype)
 
 
-class PlainRMSNorm(nnx.Module):
-    """Standard RMSNorm: x * rsqrt(mean(x^2) + eps) * w, weight kept and applied in float32.
-
-    (Qwen3.5's `RMSNorm` is zero-centred, (1 + w); Qwen3's is not.)"""
-
-    def __init__(self, dim: int, eps: float, *, stack=()):
-        self.weight = nnx.Param(jnp.ones((*stack, dim), jnp.float32))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.weight[...]).astype(x.dtype)
-
-
 class Attention(nnx.Module):
     """Full causal GQA attention with q/k RMSNorm over head_dim and full-head RoPE; no gate."""
 
@@ -216,8 +202,15 @@ class Qwen3Model(nnx.Module):
         # A list of one layer stacked over all N layers: the shape of Qwen3_5Model.layers for a
         # one-kind pattern, so parameter paths (('layers', 0, ...)) map onto HF names alike.
         self.layers = nnx.List([DecoderLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype)])
+        self.unstacked = nnx.data(None)  # the layers with arrays of their own, after `use_decode_layout`
         self.norm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+
+    def use_decode_layout(self) -> None:
+        """Every layer's weights as arrays of their own, run unrolled (see
+        `Qwen3_5Model.use_decode_layout`). In place; repeatable."""
+        if self.unstacked is None:
+            self.unstacked = nnx.List([group[0] for group in unstack_layers(self, "layers")])
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Empty caches for `batch` rows of up to `max_len` tokens (see `init_qwen3_cache`)."""
@@ -237,18 +230,24 @@ class Qwen3Model(nnx.Module):
         ignored, since attention needs none: a row's length decides which slots are read.
         Returns (post-norm hidden [B, T, H], cache), plus a `None` pending when rollback is set.
         """
-        gdef, stacked = nnx.split(self.layers)
+        x = self.embed(tokens)
+        if self.unstacked is not None:
+            for g, block in enumerate(self.unstacked):
+                with jax.named_scope(FULL):
+                    x, cache = block(x, batch, cache, g, kv_len)
+        else:
+            gdef, stacked = nnx.split(self.layers)
 
-        def layer(carry, xs):
-            x, cache = carry
-            g, params = xs
-            (block,) = nnx.merge(gdef, params)
-            with jax.named_scope(FULL):
-                x, cache = block(x, batch, cache, g, kv_len)
-            return (x, cache), None
+            def layer(carry, xs):
+                x, cache = carry
+                g, params = xs
+                (block,) = nnx.merge(gdef, params)
+                with jax.named_scope(FULL):
+                    x, cache = block(x, batch, cache, g, kv_len)
+                return (x, cache), None
 
-        layers = (jnp.arange(self.cfg.num_hidden_layers), stacked)
-        (x, cache), _ = scan_layers(layer, (self.embed(tokens), cache), layers)
+            layers = (jnp.arange(self.cfg.num_hidden_layers), stacked)
+            (x, cache), _ = scan_layers(layer, (x, cache), layers)
         if rollback is None:
             return self.norm(x), cache
         return self.norm(x), cache, None

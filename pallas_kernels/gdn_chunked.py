@@ -16,7 +16,6 @@ version in three launches, split as flash-linear-attention splits the work:
      state each chunk starts from and the chunk's corrected values v_new;
   3. chunk-parallel outputs from those.
 Dot operands are float32 or, on the GPU's fast path, bfloat16 (float32 accumulation either way).
-Earlier versions, and why they were slower, are in BENCHMARKS.md.
 """
 
 import functools

@@ -1,14 +1,13 @@
 """NVFP4 GEMV for one or a few activation rows on Hopper, through Pallas's Mosaic GPU backend.
 
-y [M, N] = x [M, K] W^T for an NVFP4 weight (`quant_matmul.QuantizedWeight`, format "nvfp4"), M at
+y [M, N] = x [M, K] W^T for an NVFP4 weight (`quant_formats.QuantizedWeight`, format "nvfp4"), M at
 most MAX_ROWS; the dispatcher sends it one or two rows (`quant_matmul.MOSAIC_GEMV_ROWS`; more go to
 the tensor-core kernel, nvfp4_mma_mosaic.py). quant_matmul's Triton kernel keeps the next K step's
 tiles in registers (Triton issues no asynchronous copies for them) and needs a row kernel launched
 first. Here the weight codes, group scales and the step's activations stream into shared memory
 through the Hopper TMA unit, `stages` K steps ahead (`plgpu.emit_pipeline`), and each CTA prepares its
-own activations. H200, cold weights (BENCHMARKS.md): a 27B MLP matrix [17408, 5120] in 14.8 us
-against 17.4 for Triton with its row kernel, [5120, 17408] in 14.7 against 18.8, 0.8B projections
-20-30% faster; two rows 22.4 and 23.6 us (session 12, before the SM-balanced grids).
+own activations. On the H200 it is faster than the Triton kernel with its row kernel at every 27B
+and 0.8B shape measured (BENCHMARKS.md).
 
 One CTA (one warpgroup, 128 threads) per box of bn output rows; for long rows a whole number of CTAs
 an SM, where neighbouring boxes may overlap (`sm_balanced`, `first_row`), so that every SM streams the
@@ -37,10 +36,11 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, vector
+from jaxlib.mlir.dialects import arith, memref, vector
 
-from pallas_kernels.quant_matmul import (E2M1_SHRINK, GROUP, X_PAIR_VALUES, X_TOP_EXPONENT, nvfp4_decode_ptx,
-                                         nvfp4_sum_ptx)
+from pallas_kernels.mosaic_ir import const, element, i32, as_index, inline_asm, lane_and_warp, scaled_pairs, x_tops
+from pallas_kernels.quant_formats import (E2M1_SHRINK, GROUP, X_PAIR_VALUES, nvfp4_decode_ptx,
+                                          nvfp4_sum_ptx)
 
 WORDS_A_GROUP = GROUP // 8  # e2m1 weight words (8 values each) a group
 PAIRS_A_GROUP = 2 * len(X_PAIR_VALUES["nvfp4"])  # activation pair words a group: 4 arrays x 2 weight words
@@ -59,88 +59,15 @@ _SUM_PTX = ("{\n.reg .b32 p;\n.reg .f16 a, b;\n.reg .f32 fa;\n"
 _SUM_CONSTRAINTS = ",".join(["=f"] + ["r"] * (8 + PAIRS_A_GROUP) + ["f"] * 2)
 
 
-# ----------------------------------------------------------------------------- MLIR helpers
-
-
-def _i32():
-    return ir.IntegerType.get_signless(32)
-
-
-def _c(value: int):
-    return mgpu_utils.c(value, _i32())
-
-
-def _index(value):
-    return arith.index_cast(ir.IndexType.get(), value)
-
-
-def _element(vec, i: int):
-    return vector.extract(vec, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-
-
-def _lane_and_warp():
-    t = mgpu_utils.thread_idx()
-    return arith.andi(t, _c(31)), arith.shrui(t, _c(5))
-
-
-def _as_f32(bits):
-    return arith.bitcast(ir.F32Type.get(), bits)
-
-
-def _power_of_two(e):
-    """2^e as float32 from its bits, e i32 in [-126, 127]."""
-    return _as_f32(arith.shli(arith.addi(e, _c(127)), _c(23)))
-
-
-def _asm(result_types: list, text: str, constraints: str, args: list) -> list:
-    if len(result_types) == 1:
-        return [llvm.inline_asm(result_types[0], args, text, constraints)]
-    struct = llvm.StructType.get_literal(result_types)
-    out = llvm.inline_asm(struct, args, text, constraints)
-    return [llvm.extractvalue(t, out, [i]) for i, t in enumerate(result_types)]
-
-
-# ----------------------------------------------------------------------------- one thread's code (inline Mosaic GPU)
-
-
-_GROUP_TOP_PTX = "{\n.reg .b32 m;\nand.b32 m, $1, 0x7FFF7FFF; max.u16x2 $0, $2, m;\n}"  # two bf16 |x| a word, apart
-
-
-def _x_tops(words: list) -> ir.Value:
-    """The largest |x| of bf16 pair words (i32): its bf16 bits in one of the two u16 lanes of the result."""
-    tops = _c(0)
-    for w in words:
-        [tops] = _asm([_i32()], _GROUP_TOP_PTX, "=r,r,r", [w, tops])
-    return tops
-
-
-def _scaled_pairs(words: list, tops) -> tuple[list, ir.Value]:
-    """bf16 pair words (i32, 4 per weight word's 8 values) and their _x_tops -> (per weight word its four
-    f16 pairs of values (0, 4), (2, 6), (7, 3), (5, 1) (`X_PAIR_VALUES`); 2^-shift f32). Each value is
-    scaled by 2^shift, which brings the largest |x| into [2^14, 2^15) (`X_TOP_EXPONENT`): no sum of 16
-    products leaves f16's range, and small values keep their bits."""
-    top = arith.maxui(arith.andi(tops, _c(0xFFFF)), arith.shrui(tops, _c(16)))  # the largest |x|'s bf16 bits
-    biased = arith.shrui(top, _c(7))  # its exponent field: |x| = m 2^(biased - 126), m in [0.5, 1)
-    shift = arith.maxsi(arith.minsi(arith.subi(_c(X_TOP_EXPONENT["nvfp4"] + 126), biased), _c(126)), _c(-126))
-    scale = _power_of_two(shift)
-    values = []  # value 2m is word m's low half, 2m + 1 its high half
-    for w in words:
-        values += [arith.mulf(_as_f32(bits), scale) for bits in (arith.shli(w, _c(16)), arith.andi(w, _c(-65536)))]
-    pair = lambda low, high: _asm([_i32()], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [high, low])[0]  # high lane first
-    pairs = [[pair(values[8 * word + low], values[8 * word + high]) for low, high in X_PAIR_VALUES["nvfp4"]]
-             for word in range(len(words) // 4)]
-    return pairs, _power_of_two(arith.subi(_c(0), shift))
-
-
 def _group_pairs(x_step, m: int, half, lane) -> tuple[list, ir.Value]:
     """Group 32 half + lane of a K step of activation row m from x_step [M, groups, 256] i32 (SMEM, the
-    step's bf16 values two a word, 512 a TMA box row), scaled by its own power of two (`_scaled_pairs`)
+    step's bf16 values two a word, 512 a TMA box row), scaled by its own power of two (`scaled_pairs`)
     -> (its activation pair words in the PTX's operand order: array A of the group's two weight words,
     then B, C, D; 2^-shift f32)."""
-    at = [_index(_c(m)), _index(half), _index(arith.muli(lane, _c(8)))]
-    words = vector.load(ir.VectorType.get((8,), _i32()), x_step, at)
-    words = [_element(words, i) for i in range(8)]
-    pairs, unscale = _scaled_pairs(words, _x_tops(words))
+    at = [as_index(const(m)), as_index(half), as_index(arith.muli(lane, const(8)))]
+    words = vector.load(ir.VectorType.get((8,), i32()), x_step, at)
+    words = [element(words, i) for i in range(8)]
+    pairs, unscale = scaled_pairs(words, x_tops(words))
     return [pairs[word][i] for i in range(len(X_PAIR_VALUES["nvfp4"])) for word in range(WORDS_A_GROUP)], unscale
 
 
@@ -182,17 +109,16 @@ class MosaicTiling:
 
     def thread_rows(self, warp) -> list:
         """The rows (i32) a thread of `warp` owns, one a register of its accumulator."""
-        first = arith.divui(warp, _c(self.groups))
-        return [arith.addi(first, _c(4 // self.groups * r)) for r in range(self.rows_a_thread)]
+        first = arith.divui(warp, const(self.groups))
+        return [arith.addi(first, const(4 // self.groups * r)) for r in range(self.rows_a_thread)]
 
 
 def sm_balanced(N: int, sm_count: int, rows: int, multiple: int) -> tuple[int, int] | None:
     """(ctas, bn) for N weight rows: the multiple of sm_count CTAs nearest to N / rows, each bn rows
     (N / ctas rounded up to a multiple of `multiple`; neighbours' boxes overlap by what that rounding
     adds), or None where N is under half a CTA an SM. A whole number of CTAs an SM gives every SM the
-    same bytes to stream: with N / bn CTAs, 544 of 32 rows for N = 17408, 16 SMs held five CTAs and
-    the rest four; the SMs were busy 74% of the kernel's time (ncu), which took 16.9 us against 14.8
-    with 396 CTAs of 44 rows (session 13)."""
+    same bytes to stream; with N / bn CTAs a few SMs take one CTA more than the rest and set the
+    kernel's time."""
     per_sm = round(N / (sm_count * rows))
     if per_sm == 0:
         return None
@@ -211,18 +137,9 @@ def pick_mosaic_tiling(N: int, K: int, sm_count: int) -> MosaicTiling | None:
     rows of 8192 values or more; for rows of BALANCED_STEPS steps or more, a whole number of CTAs an
     SM, about ROWS_A_THREAD rows a thread (`sm_balanced`), with 4 stages at 1024 values a step, else 3,
     or 2 where three CTAs or more share an SM; for shorter rows or under half a CTA an SM, N / bn CTAs
-    of 16 rows, or 8 where that would leave SMs without one. H200, cold weights, one row (session 13
-    runs 2-5, GPU us a call):
-      - [17408, 5120]: 396 CTAs of 44 rows, 2 stages, 14.8 us (3 stages 15.1-15.2; N / 32 CTAs of 32
-        rows: 16.9; 264 of 68 rows 15.2, 528 of 36 15.4, 660 of 28 15.6, 792 of 24 16.4; 4 stages 16.0;
-        1024 values a step 18.3);
-      - [5120, 17408]: 264 CTAs of 20 rows, 1024 values a step, 4 stages, 14.7 us (N / 16 CTAs of 16
-        rows: 16.7; 132 of 40 rows 15.2, 396 of 14 15.5, 528 of 10 16.1; 3 stages 14.9, 6 15.6; 512
-        values a step 18.8);
-      - [5120, 6144]: 132 CTAs of 40 rows, 8.2 us (N / 16 CTAs of 16 rows: 8.7; 264 of 20: 8.4);
-      - [3584, 1024], 2 steps: N / 16 CTAs of 16 rows, 2.37 us (132 CTAs of 28 rows: 2.44); in a 2B
-        model (rows of 2048 values: 4 steps) the balanced grids made decode 1.6% slower (run 5);
-      - [1024, 3584]: 128 CTAs of 8 rows (session 11: 3.1 us against 3.3 with 16 rows)."""
+    of 16 rows, or 8 where that would leave SMs without one. Each choice was the fastest of those
+    timed on the H200 with cold weights at the 27B and 0.8B projection shapes; rows of fewer steps
+    do not gain from balanced grids (BENCHMARKS.md)."""
     groups = 2 if K >= 8192 else 1
     steps = K // (groups * 32 * GROUP)
     balanced = sm_balanced(N, sm_count, ROWS_A_THREAD * 4 // groups, 4 // groups) if steps >= BALANCED_STEPS else None
@@ -242,22 +159,22 @@ def _step_products(t: MosaicTiling, rows: int, codes, scales, x_step, acc):
     """acc [rows bn groups, 32] f32 (register m R + r of a thread, R = t.rows_a_thread: activation row m,
     weight row t.thread_rows()[r], its lane's group) plus one K step's products: codes [bn, block_k/8]
     i32, scales [bn, block_k/16] i8 (e4m3), x_step [rows, groups, 256] i32, all SMEM."""
-    lane, warp = _lane_and_warp()
+    lane, warp = lane_and_warp()
     f32 = ir.F32Type.get()
-    half = arith.remui(warp, _c(t.groups))
-    group = arith.addi(lane, arith.muli(half, _c(32)))
+    half = arith.remui(warp, const(t.groups))
+    group = arith.addi(lane, arith.muli(half, const(32)))
     x_groups = [_group_pairs(x_step, m, half, lane) for m in range(rows)]
     registers = np.empty_like(acc.registers)
     R = t.rows_a_thread
     for r, row in enumerate(t.thread_rows(warp)):
-        row = _index(row)
-        words = vector.load(ir.VectorType.get((WORDS_A_GROUP,), _i32()), codes, [row, _index(arith.muli(group, _c(2)))])
-        halves = _asm([_i32()] * 8, _DECODE_PTX, _DECODE_CONSTRAINTS, [_element(words, 0), _element(words, 1)])
-        scale_byte = arith.extui(_i32(), memref.load(scales, [row, _index(group)]))
-        [scale] = _asm([f32], _E4M3_TO_F32_PTX, "=f,r", [scale_byte])
+        row = as_index(row)
+        words = vector.load(ir.VectorType.get((WORDS_A_GROUP,), i32()), codes, [row, as_index(arith.muli(group, const(2)))])
+        halves = inline_asm([i32()] * 8, _DECODE_PTX, _DECODE_CONSTRAINTS, [element(words, 0), element(words, 1)])
+        scale_byte = arith.extui(i32(), memref.load(scales, [row, as_index(group)]))
+        [scale] = inline_asm([f32], _E4M3_TO_F32_PTX, "=f,r", [scale_byte])
         for m, (x_words, unscale) in enumerate(x_groups):
-            old = _element(acc.registers[m * R + r], 0)
-            [new] = _asm([f32], _SUM_PTX, _SUM_CONSTRAINTS, [*halves, *x_words, arith.mulf(scale, unscale), old])
+            old = element(acc.registers[m * R + r], 0)
+            [new] = inline_asm([f32], _SUM_PTX, _SUM_CONSTRAINTS, [*halves, *x_words, arith.mulf(scale, unscale), old])
             registers[m * R + r] = vector.from_elements(ir.VectorType.get((1,), f32), [new])
     return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
 
@@ -268,28 +185,28 @@ def _store_rows(t: MosaicTiling, rows: int, acc, out, global_scale, partials):
     the warps sharing a row meet in partials [rows, bn, groups] f32 (SMEM). Threads storing the same
     value to one address make one transaction."""
     f32 = ir.F32Type.get()
-    lane, warp = _lane_and_warp()
-    factor = arith.mulf(memref.load(global_scale, [_index(_c(0))]), arith.constant(f32, E2M1_SHRINK))
+    lane, warp = lane_and_warp()
+    factor = arith.mulf(memref.load(global_scale, [as_index(const(0))]), arith.constant(f32, E2M1_SHRINK))
     out_type = ir.MemRefType(out.type).element_type
     R = t.rows_a_thread
     for m in range(rows):
         for r, row in enumerate(t.thread_rows(warp)):
-            total = _element(acc.registers[m * R + r], 0)
+            total = element(acc.registers[m * R + r], 0)
             for distance in (16, 8, 4, 2, 1):
                 total = arith.addf(total, mgpu_utils.shfl_bfly(total, distance))
             if t.groups == 1:
-                memref.store(arith.truncf(out_type, arith.mulf(total, factor)), out, [_index(_c(m)), _index(row)])
+                memref.store(arith.truncf(out_type, arith.mulf(total, factor)), out, [as_index(const(m)), as_index(row)])
             else:
-                memref.store(total, partials, [_index(_c(m)), _index(row), _index(arith.remui(warp, _c(t.groups)))])
+                memref.store(total, partials, [as_index(const(m)), as_index(row), as_index(arith.remui(warp, const(t.groups)))])
     if t.groups > 1:
         mgpu_utils.warpgroup_barrier()
-        row = arith.remui(mgpu_utils.thread_idx(), _c(t.bn))
+        row = arith.remui(mgpu_utils.thread_idx(), const(t.bn))
         for m in range(rows):
-            at = lambda gi: [_index(_c(m)), _index(row), _index(_c(gi))]
+            at = lambda gi: [as_index(const(m)), as_index(row), as_index(const(gi))]
             total = memref.load(partials, at(0))
             for gi in range(1, t.groups):
                 total = arith.addf(total, memref.load(partials, at(gi)))
-            memref.store(arith.truncf(out_type, arith.mulf(total, factor)), out, [_index(_c(m)), _index(row)])
+            memref.store(arith.truncf(out_type, arith.mulf(total, factor)), out, [as_index(const(m)), as_index(row)])
 
 
 # ----------------------------------------------------------------------------- the kernel

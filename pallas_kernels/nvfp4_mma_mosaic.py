@@ -1,15 +1,12 @@
 """NVFP4 x [M, K] W^T for 3-16 activation rows on Hopper: tensor-core products, Pallas Mosaic GPU.
 
 nvfp4_gemv_mosaic.py multiplies each decoded weight pair with each activation row in f16x2 FMAs, so
-its time grows by about a third of a one-row call for every row (H200, cold weights, [17408, 5120]:
-16.6 us at 1 row, 22.4 at 2, 34 at 4, 60 at 8). Here the decoded weights go through
+its time grows by about a third of a one-row call for every row. Here the decoded weights go through
 `mma.sync.m16n8k16` (f16 in, f32 sums): the tensor cores take the rows, and a call costs nearly the
-same at any M (23.4 us at 2 rows, 24.1 at 4, 27.7 at 8; Triton's many-rows kernel 46.5). At one or
-two rows the f16x2 kernel is faster (23 against 17 us at one), so the dispatcher sends it 3-16 rows.
-Up to 8 rows fill the MMA's rows 0-7; 9-16 fill rows 8-15 too, which doubles the activations' work
-(42.1 us at 12 rows, 47.9 at 16, level with Triton's 46.6-47.9 at this shape; at [1024, 3584] 6.5
-against 7.8-8.8). These are session 12's figures, with N / 32 CTAs; a whole number of CTAs an SM
-(`pick_mma_tiling`) made 4 and 8 rows 15-25% faster at 27B shapes (session 13).
+same at any M. At one or two rows the f16x2 kernel is faster, so the dispatcher sends this one 3-16
+rows. Up to 8 rows fill the MMA's rows 0-7; 9-16 fill rows 8-15 too, which doubles the activations'
+work. A whole number of CTAs an SM (`pick_mma_tiling`) keeps every SM streaming. Figures:
+BENCHMARKS.md, "Weight-only quantized matmuls".
 
 The weights stream through a TMA ring (`plgpu.emit_pipeline`) as in nvfp4_gemv_mosaic.py, with the
 step's activations. One CTA (4 warps) per bn = 8 x n_tiles weight rows; the warps split each K
@@ -42,9 +39,9 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, scf, vector
 
-from pallas_kernels.nvfp4_gemv_mosaic import (_asm, _c, _element, _i32, _index, _lane_and_warp, _scaled_pairs, _x_tops,
-                                              rows_fit, sm_balanced, streamed_nvfp4_kernel)
-from pallas_kernels.quant_matmul import E2M1_SHRINK, nvfp4_decode_ptx
+from pallas_kernels.mosaic_ir import const, element, i32, as_index, inline_asm, lane_and_warp, scaled_pairs, x_tops
+from pallas_kernels.nvfp4_gemv_mosaic import rows_fit, sm_balanced, streamed_nvfp4_kernel
+from pallas_kernels.quant_formats import E2M1_SHRINK, nvfp4_decode_ptx
 
 MAX_ROWS = 16  # activation rows a call: the MMA's 16 (with 8 or fewer, its rows 8-15 multiply zeros)
 WARPS = 4
@@ -93,25 +90,15 @@ class MmaTiling:
         return self.bn % 8 == 0 and rows_fit(N, self.bn, self.ctas) and K % self.block_k == 0
 
 
-MMA_ROWS = 44  # weight rows a CTA of the tensor-core kernel, about (session 13: 40-48 were fastest)
+MMA_ROWS = 44  # weight rows a CTA of the tensor-core kernel, about: the fastest range timed on the H200
 
 
 def pick_mma_tiling(N: int, K: int, sm_count: int) -> MmaTiling | None:
     """The measured tiling for an NVFP4 weight [N, K] on a GPU of `sm_count` SMs, or None where it does
     not fit: 512 values a step, 1024 for rows of 8192 values or more; 3 stages; a whole number of CTAs
     an SM of about MMA_ROWS rows (`sm_balanced`), else N / 8 CTAs of 8 rows where that makes at most
-    one an SM, else N / 32 of 32. H200, cold weights, GPU us a call at 4 / 8 activation rows (session
-    13 run 2):
-      - [17408, 5120]: 396 CTAs of 48 rows, 20.8 / 21.9 (N / 32 CTAs of 32 rows: 24.5 / 27.2; 528 of
-        40 rows 23.1 / 31.1; 4 stages 29.8 / 31.0);
-      - [5120, 17408]: 132 CTAs of 40 rows, 26.0 / 27.0 (N / 32 of 32 rows: 33.1 / 35.4; 264 of 24
-        rows 29.6 / 31.9; 396 of 16 34.1 / 53.8);
-      - [5120, 6144]: 132 CTAs of 40 rows, 12.5 / 12.8 (N / 32 of 32 rows: 15.2 / 16.2; 264 of 24 rows
-        14.0 / 14.7, run 3);
-      - [3584, 1024]: 132 CTAs of 32 rows, 3.22 / 3.35 (N / 32 of 32 rows: 3.17 / 3.33, run 3);
-      - [1024, 3584]: 128 CTAs of 8 rows, 4 stages (session 12: 4.8 / 5.1 against 5.0 / 5.3 with 16).
-    At 12 / 16 activation rows (session 12, N / 32 CTAs): [17408, 5120] 42.1 / 47.9 us (Triton 46.6 /
-    47.9), [5120, 17408] 53.1 / 54.0 (Triton 51.5 / 52.9), [1024, 3584] 6.5 / 6.6 (Triton 7.8 / 8.8)."""
+    one an SM, else N / 32 of 32. Each choice was the fastest of those timed on the H200 with cold
+    weights at the 27B and 0.8B projection shapes, at 4 and 8 activation rows (BENCHMARKS.md)."""
     chunks = 2 if K >= 8192 else 1
     balanced = sm_balanced(N, sm_count, MMA_ROWS, 8)
     if balanced is not None:
@@ -129,21 +116,21 @@ def _x_pairs(x_step, M: int, chunk: int, warp, g, t, half: int) -> tuple[list, i
     dropped) at its 32 values of `chunk` from x_step [M, chunks, 256] i32 (SMEM, bf16 pairs) -> (per
     weight word its four f16 pairs, 2^-shift). The shift is the quad's: its four lanes' values meet in
     one MMA row, so they share one power of two."""
-    row = _index(arith.minui(arith.addi(g, _c(8 * half)), _c(M - 1)))
-    first = arith.addi(arith.muli(warp, _c(CHUNK // 2)), arith.muli(t, _c(16)))
+    row = as_index(arith.minui(arith.addi(g, const(8 * half)), const(M - 1)))
+    first = arith.addi(arith.muli(warp, const(CHUNK // 2)), arith.muli(t, const(16)))
     words = []
     for q in range(4):
-        v = vector.load(ir.VectorType.get((4,), _i32()), x_step, [row, _index(_c(chunk)), _index(arith.addi(first, _c(4 * q)))])
-        words += [_element(v, i) for i in range(4)]
-    tops = _x_tops(words)
+        v = vector.load(ir.VectorType.get((4,), i32()), x_step, [row, as_index(const(chunk)), as_index(arith.addi(first, const(4 * q)))])
+        words += [element(v, i) for i in range(4)]
+    tops = x_tops(words)
     for distance in (1, 2):
-        [tops] = _asm([_i32()], "max.u16x2 $0, $1, $2;", "=r,r,r", [tops, mgpu_utils.shfl_bfly(tops, distance)])
-    return _scaled_pairs(words, tops)
+        [tops] = inline_asm([i32()], "max.u16x2 $0, $1, $2;", "=r,r,r", [tops, mgpu_utils.shfl_bfly(tops, distance)])
+    return scaled_pairs(words, tops)
 
 
 def _lane_parts():
-    lane, warp = _lane_and_warp()
-    return arith.shrui(lane, _c(2)), arith.andi(lane, _c(3)), warp
+    lane, warp = lane_and_warp()
+    return arith.shrui(lane, const(2)), arith.andi(lane, const(3)), warp
 
 
 def _halves(rows: int) -> int:
@@ -162,22 +149,22 @@ def _step_products(t: MmaTiling, rows: int, codes, scales, x_step, acc):
     registers = list(acc.registers.flat)
     for chunk in range(t.chunks):
         x_rows = [_x_pairs(x_step, rows, chunk, warp, g, lane_t, h) for h in range(halves)]
-        word = arith.addi(arith.muli(arith.addi(_c(WARPS * chunk), warp), _c(CHUNK // 8)), arith.muli(lane_t, _c(4)))
+        word = arith.addi(arith.muli(arith.addi(const(WARPS * chunk), warp), const(CHUNK // 8)), arith.muli(lane_t, const(4)))
         for j in range(t.n_tiles):
-            row = _index(arith.addi(_c(8 * j), g))
-            words = vector.load(ir.VectorType.get((4,), _i32()), codes, [row, _index(word)])
+            row = as_index(arith.addi(const(8 * j), g))
+            words = vector.load(ir.VectorType.get((4,), i32()), codes, [row, as_index(word)])
             scale_bytes = vector.load(ir.VectorType.get((2,), ir.IntegerType.get_signless(8)), scales,
-                                      [row, _index(arith.shrui(word, _c(1)))])
-            scale_pairs = [_asm([_i32()], _SCALE_PAIR_PTX, "=r,r", [arith.extui(_i32(), _element(scale_bytes, i))])[0]
+                                      [row, as_index(arith.shrui(word, const(1)))])
+            scale_pairs = [inline_asm([i32()], _SCALE_PAIR_PTX, "=r,r", [arith.extui(i32(), element(scale_bytes, i))])[0]
                            for i in range(2)]
             sums = [arith.constant(f32, 0.0)] * 4
             for k in range(4):  # the lane's words; two a group
                 x_pairs = [pair for pairs, _ in x_rows for pair in pairs[k]]
-                sums = _asm([f32] * 4, ptx, constraints, [_element(words, k), scale_pairs[k // 2], *x_pairs, *sums])
+                sums = inline_asm([f32] * 4, ptx, constraints, [element(words, k), scale_pairs[k // 2], *x_pairs, *sums])
             for h, (_, unscale) in enumerate(x_rows):
                 for e in range(2):
                     r = 2 * halves * j + 2 * h + e
-                    new = arith.addf(_element(registers[r], 0), arith.mulf(sums[2 * h + e], unscale))
+                    new = arith.addf(element(registers[r], 0), arith.mulf(sums[2 * h + e], unscale))
                     registers[r] = vector.from_elements(ir.VectorType.get((1,), f32), [new])
     registers = np.array(registers, dtype=object).reshape(acc.registers.shape)
     return mgpu.FragmentedArray(_registers=registers, _layout=acc.layout, _is_signed=None)
@@ -193,20 +180,20 @@ def _store_rows(t: MmaTiling, rows: int, acc, out, global_scale, partials):
     for j in range(t.n_tiles):
         for h in range(halves):
             for e in range(2):
-                column = arith.addi(_c(8 * j + e), arith.muli(lane_t, _c(2)))
-                memref.store(_element(registers[2 * halves * j + 2 * h + e], 0), partials,
-                             [_index(warp), _index(arith.addi(g, _c(8 * h))), _index(column)])
+                column = arith.addi(const(8 * j + e), arith.muli(lane_t, const(2)))
+                memref.store(element(registers[2 * halves * j + 2 * h + e], 0), partials,
+                             [as_index(warp), as_index(arith.addi(g, const(8 * h))), as_index(column)])
     mgpu_utils.warpgroup_barrier()
-    factor = arith.mulf(memref.load(global_scale, [_index(_c(0))]), arith.constant(f32, E2M1_SHRINK))
+    factor = arith.mulf(memref.load(global_scale, [as_index(const(0))]), arith.constant(f32, E2M1_SHRINK))
     out_type = ir.MemRefType(out.type).element_type
     for i in range(-(-rows * t.bn // (WARPS * 32))):  # each thread one (row, output) a round
-        index = arith.addi(mgpu_utils.thread_idx(), _c(WARPS * 32 * i))
-        m, n = _index(arith.divui(index, _c(t.bn))), _index(arith.remui(index, _c(t.bn)))
-        inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, index, _c(rows * t.bn)))
+        index = arith.addi(mgpu_utils.thread_idx(), const(WARPS * 32 * i))
+        m, n = as_index(arith.divui(index, const(t.bn))), as_index(arith.remui(index, const(t.bn)))
+        inside = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, index, const(rows * t.bn)))
         with ir.InsertionPoint(inside.then_block):
-            total = memref.load(partials, [_index(_c(0)), m, n])
+            total = memref.load(partials, [as_index(const(0)), m, n])
             for w in range(1, WARPS):
-                total = arith.addf(total, memref.load(partials, [_index(_c(w)), m, n]))
+                total = arith.addf(total, memref.load(partials, [as_index(const(w)), m, n]))
             memref.store(arith.truncf(out_type, arith.mulf(total, factor)), out, [m, n])
             scf.yield_([])
 

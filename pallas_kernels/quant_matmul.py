@@ -1,13 +1,6 @@
 """Weight-only quantized matmul y = x W^T for decode and verify batches (1 to 64 rows).
 
-Formats of a weight W [N, K] (`QuantizedWeight.format`):
-  "int8"      data int8 [N, K], scale float32 [N] (per output channel);
-  "fp8"       data float8_e4m3fn [N, K], scale float32 [N];
-  "fp8_block" data float8_e4m3fn [N, K], scale float32 [ceil(N/128), ceil(K/128)] (Qwen's FP8
-              checkpoints: W = fp8 * weight_scale_inv per 128 x 128 block);
-  "nvfp4"     data uint8 [N, K/2] (two e2m1 codes a byte, columns 2j and 2j + 1 in byte j, their
-              bits placed as E2M1_BITS says: not ModelOpt's nibbles, see `nvfp4_from_modelopt`),
-              scale float8_e4m3fn [N, K/16] (one per 16 values), global_scale float32 [].
+Formats, their bit layouts and decode PTX: `quant_formats`.
 
 `quant_matmul` is the dispatcher: a Pallas kernel on a GPU (1-16 bf16 rows of NVFP4 on Hopper: the
 Mosaic GPU kernels of nvfp4_gemv_mosaic.py and nvfp4_mma_mosaic.py; the rest this module's Triton
@@ -24,144 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-FORMATS = ("int8", "fp8", "fp8_block", "nvfp4")
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-BLOCK = 128  # fp8_block scale granularity
-GROUP = 16  # nvfp4 scale granularity
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale", "global_scale"],
-                   meta_fields=["format"])
-@dataclasses.dataclass
-class QuantizedWeight:
-    """A quantized [N, K] weight; see the module docstring for each format's arrays."""
-
-    data: jax.Array
-    scale: jax.Array
-    global_scale: jax.Array | None
-    format: str
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        N, K = self.data.shape
-        return (N, 2 * K) if self.format == "nvfp4" else (N, K)
+from pallas_kernels import nvfp4_gemv_mosaic, nvfp4_mma_mosaic
+from pallas_kernels.quant_formats import (BLOCK, E2M1_SHRINK, E5M2_E2M1_MASK, FP8, GROUP, VALUES_PER_WORD, X_PAIR_VALUES,
+                                          X_TOP_EXPONENT, QuantizedWeight, decode_e2m1, nvfp4_decode_ptx, nvfp4_sum_ptx,
+                                          quant_matmul_reference, unpack_e2m1)
 
 
 # ----------------------------------------------------------------------------- quantize / dequantize
-
-
-def quantize(w: jax.Array, fmt: str) -> QuantizedWeight:
-    """Quantize a float weight [N, K] (round to nearest; scales from each group's max)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown quantization format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    w = jnp.asarray(w, jnp.float32)
-    N, K = w.shape
-    if fmt == "int8":
-        scale = jnp.maximum(jnp.max(jnp.abs(w), axis=1), 1e-12) / 127.0
-        return QuantizedWeight(jnp.round(w / scale[:, None]).astype(jnp.int8), scale, None, fmt)
-    if fmt == "fp8":
-        scale = jnp.maximum(jnp.max(jnp.abs(w), axis=1), 1e-12) / FP8_MAX
-        return QuantizedWeight((w / scale[:, None]).astype(FP8), scale, None, fmt)
-    if fmt == "fp8_block":
-        nb, kb = -(-N // BLOCK), -(-K // BLOCK)
-        padded = jnp.pad(w, ((0, nb * BLOCK - N), (0, kb * BLOCK - K)))
-        tiles = padded.reshape(nb, BLOCK, kb, BLOCK)
-        scale = jnp.maximum(jnp.max(jnp.abs(tiles), axis=(1, 3)), 1e-12) / FP8_MAX
-        data = (tiles / scale[:, None, :, None]).reshape(nb * BLOCK, kb * BLOCK)[:N, :K]
-        return QuantizedWeight(data.astype(FP8), scale, None, fmt)
-    if K % (2 * GROUP):
-        raise ValueError(f"nvfp4 needs K divisible by {2 * GROUP}, got K={K}")
-    groups = w.reshape(N, K // GROUP, GROUP)
-    global_scale = jnp.maximum(jnp.max(jnp.abs(w)), 1e-12) / (6.0 * FP8_MAX)
-    scale = (jnp.max(jnp.abs(groups), axis=-1) / 6.0 / global_scale).astype(FP8)
-    unit = groups / (scale.astype(jnp.float32)[..., None] * global_scale + 1e-30)
-    mag = jnp.argmin(jnp.abs(jnp.abs(unit)[..., None] - E2M1_VALUES), axis=-1)
-    codes = (mag + 8 * (unit < 0)).astype(jnp.uint8).reshape(N, K)
-    return QuantizedWeight(pack_e2m1(codes[:, 0::2], codes[:, 1::2]), scale, global_scale, fmt)
-
-
-# Where a byte keeps its two e2m1 codes' bits (sign, e1, e0, m), the even column's first. The even
-# column's sit where an e5m2 byte, or an f16's high byte, keeps its sign, low exponent bits and first
-# mantissa bit, so `byte & 0x8E` is that column's value times 2^-14 (E2M1_SHRINK) as e5m2. The odd
-# column's are the same positions mirrored: bit-reversing the byte decodes it the same way.
-# ModelOpt's checkpoints keep the even column in the low nibble, the odd in the high one; the
-# loaders convert at the file boundary (`nvfp4_from_modelopt`, `nvfp4_to_modelopt`). Session 9: the
-# one-row GPU decode takes 7 instructions a word of 8 codes here, 11 from ModelOpt's nibbles.
-E2M1_BITS = ((7, 3, 2, 1), (0, 4, 5, 6))
-E2M1_SHRINK = 2.0**14  # e2m1 value / its e5m2 (f16) reading
-E5M2_E2M1_MASK = 0x8E
-
-
-def pack_e2m1(even, odd):
-    """e2m1 codes (0..15, bit 3 the sign) of the even and odd columns, uint8 [...] (numpy or jax)
-    -> their bytes [...] uint8."""
-    out = 0
-    for codes, positions in zip((even, odd), E2M1_BITS):
-        for bit, position in zip((3, 2, 1, 0), positions):
-            out = out | (((codes >> bit) & 1) << position)
-    return out
-
-
-def unpack_e2m1(data) -> tuple:
-    """Bytes uint8 [...] (numpy or jax) -> the even and odd columns' e2m1 codes, uint8 [...] each."""
-    return tuple(functools.reduce(operator.or_, (((data >> position) & 1) << bit for bit, position
-                                                 in zip((3, 2, 1, 0), positions))) for positions in E2M1_BITS)
-
-
-_EVERY_BYTE = np.arange(256, dtype=np.uint8)
-_FROM_MODELOPT = pack_e2m1(_EVERY_BYTE & 15, _EVERY_BYTE >> 4)  # a permutation of the 256 bytes
-_TO_MODELOPT = np.argsort(_FROM_MODELOPT).astype(np.uint8)
-
-
-def nvfp4_from_modelopt(packed: np.ndarray) -> np.ndarray:
-    """ModelOpt NVFP4 weight bytes (the even column in the low nibble) -> this module's layout."""
-    return _FROM_MODELOPT[np.asarray(packed)]
-
-
-def nvfp4_to_modelopt(data: np.ndarray) -> np.ndarray:
-    """This module's NVFP4 bytes -> ModelOpt's (the even column in the low nibble)."""
-    return _TO_MODELOPT[np.asarray(data)]
-
-
-def decode_e2m1(codes: jax.Array) -> jax.Array:
-    """e2m1 codes (0..15, bit 3 = sign) -> float32 values {0, .5, 1, 1.5, 2, 3, 4, 6} with sign.
-
-    Built from bits, no arithmetic: magnitude (e, f) with e > 0 is 2^(e-1) (1 + f/2), whose
-    float32 bits are (e + 126) << 23 | f << 22 = (code << 22) + (126 << 23); e = 0 is 0 or 0.5.
-    """
-    c = codes.astype(jnp.int32)
-    mag = c & 7
-    bits = jnp.where(mag >= 2, (mag << 22) + (126 << 23), jnp.where(mag == 1, 126 << 23, 0))
-    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
-
-
-def dequantize(w: QuantizedWeight) -> jax.Array:
-    """The float32 weight [N, K]."""
-    N, K = w.shape
-    if w.format in ("int8", "fp8"):
-        return w.data.astype(jnp.float32) * w.scale[:, None]
-    if w.format == "fp8_block":
-        s = jnp.repeat(jnp.repeat(w.scale, BLOCK, axis=0), BLOCK, axis=1)[:N, :K]
-        return w.data.astype(jnp.float32) * s
-    codes = jnp.stack(unpack_e2m1(w.data), axis=-1).reshape(N, K)
-    s = jnp.repeat(w.scale.astype(jnp.float32), GROUP, axis=1) * w.global_scale
-    return decode_e2m1(codes) * s
-
-
-def quant_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x [..., K] (bf16 or f32) -> x W^T [..., N] in x's dtype, float32 accumulation."""
-    y = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), dequantize(w))
-    return y.astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- Pallas kernel
@@ -300,19 +168,10 @@ def _kernel(x_ref, x_odd_ref, w_ref, s_ref, g_ref, o_ref, *, fmt: str, bn: int, 
 # to 2^-11 when each program's K range of the activation row is first scaled by a power of two, its
 # largest |x| into [2^(T-1), 2^T): high enough that small values keep their bits, low enough that no sum
 # leaves f16's range (T below; the bound is terms x max |weight| x 2^T). A row kernel scales and pairs
-# the row first (one launch, where XLA took three fusions: 3.6 us at a 27B shape); each GEMV program
-# scales its sums back once, after its K loop. Converting the bf16 row inside the GEMV loop instead
-# costs more than the row kernel's launch (H200: int8 27.1 against 24.5 + 1.4 us; BENCHMARKS.md).
+# the row first (one launch where XLA takes three fusions); each GEMV program scales its sums back
+# once, after its K loop. Converting the bf16 row inside the GEMV loop instead costs more than the
+# row kernel's launch (H200, BENCHMARKS.md).
 HALF_FORMATS = ("int8", "fp8", "fp8_block", "nvfp4")
-# 4 x 128 x 2^6 and 4 x 448 x 2^5 < 65504; NVFP4's sums (16 x 6 x 2^-14 x 2^15) are far inside, but
-# the activations themselves must stay under 65504. Its products sit 2^14 lower than the values
-# (E2M1_SHRINK), so they stay normal f16 down to 2^-15 of the range's largest |x|; smaller ones keep
-# an absolute error under 2^-25, against products up to 12.
-X_TOP_EXPONENT = {"int8": 6, "fp8": 5, "fp8_block": 5, "nvfp4": 15}
-VALUES_PER_WORD = {"int8": 4, "fp8": 4, "fp8_block": 4, "nvfp4": 8}
-# Which values of a weight word each activation pair array holds, (low lane, high lane).
-X_PAIR_VALUES = {"int8": ((0, 1), (2, 3)), "fp8": ((0, 1), (2, 3)), "fp8_block": ((0, 1), (2, 3)),
-                 "nvfp4": ((0, 4), (2, 6), (7, 3), (5, 1))}
 
 # Operands of every call: $0 $1 the two words' accumulators out; $2 $3 the weight words; then the
 # activation pair words, two per array (one for each weight word), the two words' scales and the two
@@ -331,30 +190,6 @@ sub.f16x2 h0, h0, m; sub.f16x2 h1, h1, m; sub.f16x2 h2, h2, m; sub.f16x2 h3, h3,
 """ + _PAIR_PRODUCTS
 _FP8_HALF_PTX = (_HALF_REGS + "mov.b32 {l0, l1}, $2; mov.b32 {l2, l3}, $3;\n" + _e4m3_to_f16_pairs_ptx(4) + "\n"
                  + _PAIR_PRODUCTS)
-# NVFP4: two words are one 16-value group. Masking a word with 0x8E008E00 leaves f16 pairs (times
-# 2^-14) of values (2, 6), its bytes 1 and 3; shifted left a byte first, (0, 4); bit-reversed, the
-# odd columns (5, 1), and reversed and shifted, (7, 3) (E2M1_BITS). They meet activation arrays A
-# (values 0, 4), B (2, 6), C (7, 3), D (5, 1) in one chain of eight fma.f16x2; its two lanes are added
-# in f16, and the sum times $12, the group's scale, goes to the accumulator.
-_F16_PAIR_MASK = f"{E5M2_E2M1_MASK * 0x01000100:#x}"  # one code's bits in each f16 lane
-
-
-def nvfp4_decode_ptx(words: tuple[str, str], halves: list[str]) -> str:
-    """PTX decoding a group's two e2m1 words (operands `words`) into its eight f16 pairs `halves`
-    (h0..h7: word 0's pairs (0, 4), (2, 6), (7, 3), (5, 1), then word 1's); scratch registers t, u."""
-    return "\n".join(
-        f"shl.b32 t, {w}, 8; and.b32 {halves[4 * i]}, t, {_F16_PAIR_MASK}; and.b32 {halves[4 * i + 1]}, {w}, {_F16_PAIR_MASK}; "
-        f"brev.b32 u, {w}; shl.b32 t, u, 8; and.b32 {halves[4 * i + 2]}, t, {_F16_PAIR_MASK}; "
-        f"and.b32 {halves[4 * i + 3]}, u, {_F16_PAIR_MASK};"
-        for i, w in enumerate(words))
-
-
-def nvfp4_sum_ptx(halves: list[str], pairs: list[str]) -> str:
-    """PTX of one group's sum into f16 `a`: the eight fma.f16x2 of `halves` (nvfp4_decode_ptx's order)
-    with the activation pair words `pairs` (A0 A1 B0 B1 C0 C1 D0 D1), its two lanes added; scratch p, b."""
-    chain = [f"fma.rn.f16x2 p, {h}, {pairs[2 * (i % 4) + i // 4]}, p;" for i, h in enumerate(halves)]
-    chain[0] = f"mul.f16x2 p, {halves[0]}, {pairs[0]};"
-    return " ".join(chain[:4]) + "\n" + " ".join(chain[4:]) + "\nmov.b32 {a, b}, p; add.rn.f16 a, a, b;"
 
 
 _NVFP4_HALF_PTX = (_HALF_REGS + nvfp4_decode_ptx(("$2", "$3"), [f"h{i}" for i in range(8)]) + "\n"
@@ -444,17 +279,16 @@ def half_row(x: jax.Array, fmt: str, ranges: int = 1, interpret: bool = False) -
 
 
 def _row_warps(length: int) -> int:
-    """Warps of a row-kernel program that reduces a K range of `length` values: 16 past 8192 values
-    (H200 session 9 run 4, in context after a GEMV: a 27B down projection's row of 17408 took 1.8-2.1
-    us against 2.3-2.5 with 8 warps; the up projection's 5120 stays fastest with 8)."""
+    """Warps of a row-kernel program that reduces a K range of `length` values: 16 past 8192 values,
+    where the wider reduction is faster on the H200 (a 27B down projection's row of 17408), else 8
+    (BENCHMARKS.md)."""
     return 16 if length > 8192 else 8
 
 
 # NVFP4's group scales reach their two words by one contiguous load and a broadcast, which Triton
-# lays out through shared memory with a barrier each K step; above SHARED_SCALES_MAX_WARPS each word
-# loads its own scale instead (more address arithmetic, no barrier). H200, session 9 run 1: the
-# down projection's 16 warps 15.4-15.5 us kernel against 20.1-20.3; the up one's 4 warps 13.3-13.5
-# against 13.4-13.5, and 8 warps at 0.8B 3.5 against 3.6-3.7.
+# lays out through shared memory with a barrier each K step. Above SHARED_SCALES_MAX_WARPS that
+# barrier costs more than per-word loads' address arithmetic (H200, BENCHMARKS.md), so each word
+# loads its own scale.
 SHARED_SCALES_MAX_WARPS = 8
 
 
@@ -639,78 +473,87 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
     return out[0, :M] if t.split_k == 1 else jnp.sum(out[:, :M], axis=0).astype(x.dtype)
 
 
-# Tilings measured on the H200 (BENCHMARKS.md). 1-16 bf16 rows of NVFP4 on a GPU with TMA run a Mosaic
-# GPU kernel where its tiling fits (`nvfp4_mosaic_matmul`; faster at every shape measured, sessions
-# 11-12); there the NVFP4 tilings below serve the shapes they do not fit. Figures below up to
-# session 9 were timed call after call on one weight, so NVFP4's 50 MB matrices partly came from L2
-# (cold, as in a decode step: 16.2 against 13.0 us kernel at [17408, 5120]); timed cold (session 10
-# runs 11-12) the choices held, each fastest or within 0.4 us of the fastest tried. One activation
-# row of a 27B MLP matrix [17408, 5120] (decode at batch 1): per format the fastest, K unsplit so no
-# partial sums to add (short, wide weights differ: FEW_PROGRAMS below); the packed halves of int8
-# and fp8 take 64 weight words a step, 4 stages deep (25.7-26.1 against 25.9-26.3 us; 128 words:
-# 33.4-35.9 us with 4 warps, 25.1-27.4 with 8). int8 and fp8 take the packed halves only from
-# HALF_MIN_BYTES of weight: below that their row kernel's launch (1.0-1.5 us) outweighs what they
-# save (a 0.8B projection of 3.7 MB: 3.1 against 2.8 us; 89 MB: 26 against 27.7 us). NVFP4 takes
-# them at every size (3.5 against 5.5 us). On the GPU the dispatcher sets `rounds` to the SM count:
-# 1088 programs on 132 SMs left 32 SMs a ninth, which set the time; 1056 programs in 8 whole rounds
-# plus 128 of 4 rows are 0.5-1.4 us faster (session 8 run 7: int8 25.5 against 26.1-26.4 us, fp8
-# 25.4-25.6 against 26.1-26.2, fp8 blocks 25.7 against 26.9-27.2, NVFP4 16.3-16.4 against
-# 17.1-17.2).
-# 2 to 64 rows: one tiling per format, a compromise (at 8 rows int8's best was (32, 256, 2) at 32.5
-# against 35.1 us, at 64 rows fp8 blocks' (128, 128, 2, 8) at 69 against 75).
-ONE_ROW_TILINGS = {
-    "int8": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
-    "fp8": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
-    "fp8_block": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
-    "nvfp4": Tiling(16, 512, 1, 4, 3, gemv=True, packed_halves=True),
-}
-MULTIPLY_AND_SUM_TILING = Tiling(16, 512, 1, 4, 3, gemv=True)  # int8 / fp8 (blocks) one row under HALF_MIN_BYTES
-HALF_MIN_BYTES = 32 << 20
-# Short, wide weights: too few 16-row programs leave the H200's 132 SMs short of warps to hide memory
-# latency (the 27B MLP's down projection [5120, 17408] makes 320). Under FEW_PROGRAMS programs:
-#   - packed halves run 8 warps each;
-#   - under half that many, with a big weight (HALF_MIN_BYTES), 1024-wide steps and 16 warps, unsplit
-#     (the SM rounds above even them out: 264 programs of 16 rows and 112 of 8; fp8 blocks take
-#     DEEP_ROWS, 132 of 32 and 112 of 8); where 1024 does not divide K, K split 2 ways with
-#     512-wide steps, else with the format's own, else neither.
-# H200, [5120, 17408], GPU time with the row kernel (whole row 2.3-2.5 us; split ranges 1.8-2.0) and any
-# partial sums' addition (1.0-1.2 us), session 8 runs 12-13: int8 26.3-26.6 us against 26.7-27.1 split 2,
-# fp8 26.3-26.6 (26.3-26.8), fp8 blocks 26.9-27.4 (27.8-28.3), NVFP4 18.3-18.4 (19.7-20.1). At 0.8B
-# projections (64-384 programs, 1-4 MB) 8 warps save 0.3-1.4 us and a split costs its addition; at 512
-# programs 8 warps were 3-13% faster; at 1088 ([17408, 5120]) 4 warps unsplit are (NVFP4 18.0 against
-# 19.6, int8 26.3 against 32.5).
-FEW_PROGRAMS = 1024
-# fp8 blocks' deep programs take 32 rows (session 9 run 2: 26.7-27.2 us against 27.5-27.6 for 16; NVFP4's
-# took 21.9-22.0 against 17.5-18.1).
-DEEP_ROWS = {"fp8_block": 32}
-MANY_ROWS_TILINGS = {
-    "int8": Tiling(64, 256, 1, 4, 3),
-    "fp8": Tiling(64, 256, 1, 4, 3),
-    "fp8_block": Tiling(64, 128, 2, 4, 3),
-    "nvfp4": Tiling(64, 128, 4, 4, 3),
-}
-GEMV_FALLBACK = Tiling(16, 128, 1, 4, 3, gemv=True)  # one row where those do not divide K (packed as they are)
+@dataclasses.dataclass(frozen=True)
+class TunedTilings:
+    """The Triton kernel's tilings for one GPU model, chosen by timing it with cold weights, as in a
+    decode step (BENCHMARKS.md, "Weight-only quantized matmuls"). 1-16 bf16 rows of NVFP4 on a GPU
+    with TMA run a Mosaic GPU kernel where its tiling fits (`nvfp4_mosaic_matmul`); the NVFP4
+    tilings here serve the rest.
+
+    one_row: per format, one activation row (decode at batch 1): the fastest, K unsplit so there
+      are no partial sums to add. The dispatcher sets `rounds` to the SM count, so the programs fill
+      whole rounds of SMs: a last round that leaves most SMs idle sets the time.
+    multiply_and_sum, half_min_bytes: int8 and fp8 take the packed halves only from half_min_bytes
+      of weight, where what they save outweighs their row kernel's launch; below, multiply_and_sum.
+      NVFP4 takes them at every size.
+    few_programs, deep_rows: short, wide weights make too few 16-row programs to keep the SMs' warps
+      hiding memory latency (the 27B MLP's down projection [5120, 17408] makes 320). Under
+      few_programs programs packed halves run 8 warps each; under half that many, with a big weight,
+      1024-wide steps and 16 warps, unsplit, deep_rows rows a program where a format gains from more
+      (else 16); where 1024 does not divide K, K split 2 ways with 512-wide steps, else with the
+      format's own, else neither. From few_programs programs on, 4 warps and no split are fastest.
+    many_rows: 2 to 64 rows, one tiling per format, a compromise across row counts.
+    gemv_fallback: one row where the others do not divide K (packed as they are).
+    mosaic_gemv_rows: up to this many bf16 rows of NVFP4 the Mosaic f16x2 kernel
+      (nvfp4_gemv_mosaic.py), more (up to its MAX_ROWS) the tensor-core one (nvfp4_mma_mosaic.py).
+    """
+
+    one_row: dict[str, Tiling]
+    multiply_and_sum: Tiling
+    half_min_bytes: int
+    few_programs: int
+    deep_rows: dict[str, int]
+    many_rows: dict[str, Tiling]
+    gemv_fallback: Tiling
+    mosaic_gemv_rows: int
 
 
-def pick_tiling(x: jax.Array, w: QuantizedWeight, rounds: int = 0) -> Tiling | None:
+TUNED = {
+    "NVIDIA H200": TunedTilings(
+        one_row={"int8": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
+                 "fp8": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
+                 "fp8_block": Tiling(16, 256, 1, 4, 4, gemv=True, packed_halves=True),
+                 "nvfp4": Tiling(16, 512, 1, 4, 3, gemv=True, packed_halves=True)},
+        multiply_and_sum=Tiling(16, 512, 1, 4, 3, gemv=True),
+        half_min_bytes=32 << 20,
+        few_programs=1024,
+        deep_rows={"fp8_block": 32},  # faster than 16 for fp8 blocks, slower for NVFP4
+        many_rows={"int8": Tiling(64, 256, 1, 4, 3), "fp8": Tiling(64, 256, 1, 4, 3),
+                   "fp8_block": Tiling(64, 128, 2, 4, 3), "nvfp4": Tiling(64, 128, 4, 4, 3)},
+        gemv_fallback=Tiling(16, 128, 1, 4, 3, gemv=True),
+        # at 2 rows the f16x2 kernel is faster at the 27B and 0.8B shapes, at 3 the two trade places
+        mosaic_gemv_rows=2,
+    ),
+}
+MEASURED_ON = "NVIDIA H200"  # GPUs without a table of their own take this one's
+
+
+def tuned_for(device_kind: str) -> TunedTilings:
+    """The tilings measured on this GPU model (`jax.Device.device_kind`), else MEASURED_ON's."""
+    return TUNED.get(device_kind, TUNED[MEASURED_ON])
+
+
+def pick_tiling(x: jax.Array, w: QuantizedWeight, rounds: int = 0, tuned: TunedTilings = TUNED[MEASURED_ON]
+                ) -> Tiling | None:
     """The measured tiling for x's row count (and w's format) if it divides the shape, else a
     default that does, else None (more than 64 rows, or a shape no tiling divides). A packed-half
     GEMV gets `rounds`, the GPU's SM count (see Tiling)."""
     if x.shape[0] > 64:
         return None
-    one_row = ONE_ROW_TILINGS[w.format]
-    if w.format != "nvfp4" and w.data.size < HALF_MIN_BYTES:
-        one_row = MULTIPLY_AND_SUM_TILING
+    one_row = tuned.one_row[w.format]
+    if w.format != "nvfp4" and w.data.size < tuned.half_min_bytes:
+        one_row = tuned.multiply_and_sum
     programs = w.shape[0] // one_row.block_n
     one_rows = (one_row,)
-    if programs < FEW_PROGRAMS:
+    if programs < tuned.few_programs:
         wide = dataclasses.replace(one_row, num_warps=8) if one_row.packed_halves else one_row
-        split = 2 * programs < FEW_PROGRAMS and w.data.size >= HALF_MIN_BYTES
+        split = 2 * programs < tuned.few_programs and w.data.size >= tuned.half_min_bytes
         halves = dataclasses.replace(wide, split_k=2)
-        deep = dataclasses.replace(one_row, block_n=DEEP_ROWS.get(w.format, one_row.block_n), block_k=1024, num_warps=16)
+        deep = dataclasses.replace(one_row, block_n=tuned.deep_rows.get(w.format, one_row.block_n), block_k=1024,
+                                   num_warps=16)
         one_rows = (deep, dataclasses.replace(halves, block_k=512), halves, wide) if split else (wide,)
-    fallback = dataclasses.replace(GEMV_FALLBACK, packed_halves=one_row.packed_halves)
-    tried = (*one_rows, fallback) if x.shape[0] == 1 else (MANY_ROWS_TILINGS[w.format],)
+    fallback = dataclasses.replace(tuned.gemv_fallback, packed_halves=one_row.packed_halves)
+    tried = (*one_rows, fallback) if x.shape[0] == 1 else (tuned.many_rows[w.format],)
     tiling = next((t for t in (*tried, Tiling()) if t.fits(w)), None)
     return dataclasses.replace(tiling, rounds=rounds) if tiling and tiling.packed_halves else tiling
 
@@ -720,21 +563,11 @@ def has_tma(device) -> bool:
     return float(getattr(device, "compute_capability", 0) or 0) >= 9.0
 
 
-# Up to this many bf16 rows of NVFP4, Mosaic GPU's f16x2 kernel (nvfp4_gemv_mosaic.py); more, up to its
-# MAX_ROWS, the tensor-core kernel (nvfp4_mma_mosaic.py). H200, cold weights, f16x2 against tensor
-# cores at [17408, 5120] / [5120, 17408] with the SM-balanced grids (session 13 run 4): 2 rows 18.4 /
-# 19.5 us against 20.6 / 25.5; 3 rows 23.2 / 24.8 against 20.4 / 25.3 (mixed; an MLP has two up-shaped
-# projections to one down). Session 12 run 3 at [3584, 1024] / [1024, 3584]: 2 rows 2.7 / 3.7 against
-# 3.2 / 4.6; 3 rows 3.3 / 4.3 against 3.2 / 4.6; 4 rows 3.7 / 5.0 against 3.2 / 4.8.
-MOSAIC_GEMV_ROWS = 2
-
-
-def nvfp4_mosaic_matmul(x: jax.Array, w: QuantizedWeight, sm_count: int) -> jax.Array | None:
+def nvfp4_mosaic_matmul(x: jax.Array, w: QuantizedWeight, sm_count: int, tuned: TunedTilings = TUNED[MEASURED_ON]
+                        ) -> jax.Array | None:
     """x [M, K] bf16 times an NVFP4 weight through a Mosaic GPU kernel, or None where neither has a
     measured tiling for the shape and rows (then the Triton kernel runs)."""
-    from pallas_kernels import nvfp4_gemv_mosaic, nvfp4_mma_mosaic  # they import this module
-
-    if x.shape[0] <= MOSAIC_GEMV_ROWS:
+    if x.shape[0] <= tuned.mosaic_gemv_rows:
         kernel, tiling = nvfp4_gemv_mosaic.nvfp4_gemv_mosaic, nvfp4_gemv_mosaic.pick_mosaic_tiling(*w.shape, sm_count)
     elif x.shape[0] <= nvfp4_mma_mosaic.MAX_ROWS:
         kernel, tiling = nvfp4_mma_mosaic.nvfp4_mma_mosaic, nvfp4_mma_mosaic.pick_mma_tiling(*w.shape, sm_count)
@@ -751,11 +584,12 @@ def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     flat = x.reshape(-1, x.shape[-1])
     gpu = jax.default_backend() == "gpu"
     device = jax.devices()[0]
+    tuned = tuned_for(device.device_kind)
     if gpu and w.format == "nvfp4" and flat.dtype == jnp.bfloat16 and has_tma(device):
-        y = nvfp4_mosaic_matmul(flat, w, device.core_count)
+        y = nvfp4_mosaic_matmul(flat, w, device.core_count, tuned)
         if y is not None:
             return y.reshape(*x.shape[:-1], w.shape[0])
-    tiling = pick_tiling(flat, w, rounds=getattr(device, "core_count", 0) if gpu else 0)
+    tiling = pick_tiling(flat, w, rounds=getattr(device, "core_count", 0) if gpu else 0, tuned=tuned)
     if gpu and tiling is not None:
         return quant_matmul_pallas(flat, w, tiling=tiling).reshape(*x.shape[:-1], w.shape[0])
     return quant_matmul_reference(x, w)

@@ -1,5 +1,6 @@
-"""Draft methods, one file each. Every proposer is a frozen (hashable, jit-static) dataclass with
-the same three pure methods, all run inside the jitted speculative step:
+"""Draft methods, one file each (`registry` builds one from a speculative config). Every proposer
+is a frozen (hashable, jit-static) dataclass meeting `Proposer`: three pure methods, all run
+inside the jitted speculative step:
 
     init_state(model, draft, tokens, lengths, target, choose, reference) -> state
         after prefill: tokens [B, L] buffer, lengths [B], target: the prompt's `TargetOut`
@@ -17,3 +18,28 @@ the same three pure methods, all run inside the jitted speculative step:
 policy (argmax, or a draw from the row's sampling distribution), so proposers never see it.
 A proposer's own state rolls back the same way the target's does: by row length.
 """
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import jax
+
+Choose = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array | None]]
+
+
+class Proposer(Protocol):
+    """What the engine's speculative step calls (see above for shapes). Optional attributes:
+    `taps` (target layers whose outputs `TargetOut.taps` carries) and `may_not_draft` (a step
+    can come up with no draft in any row, so the step compiles a one-token branch too)."""
+
+    k: int
+
+    def init_state(self, model, draft, tokens: jax.Array, lengths: jax.Array, target, choose: Choose,
+                   reference: jax.Array | None = None) -> Any: ...
+
+    def propose(self, model, draft, state: Any, tokens: jax.Array, lengths: jax.Array,
+                choose: Choose) -> tuple[jax.Array, jax.Array, jax.Array | None, Any]: ...
+
+    def update(self, model, draft, state: Any, target, emitted: jax.Array, n_acc: jax.Array, lengths: jax.Array,
+               choose: Choose) -> Any: ...

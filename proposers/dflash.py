@@ -12,7 +12,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from models.qwen3_5 import KVCache, TargetOut
+from models.layers import KVCache
+from models.qwen3_5 import TargetOut
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from models.qwen3_5 import Batch
+from models.layers import Batch
 
 
 @jax.tree_util.register_dataclass

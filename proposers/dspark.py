@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from models.qwen3_5 import KVCache
+from models.layers import KVCache
 from proposers.dflash import DFlashProposer
 
 

@@ -1,9 +1,6 @@
-"""MTP drafting: the target's own multi-token-prediction head, chained for k > 1 (as vLLM does).
-
-Draft row p takes (token p+1, target hidden at p) and predicts token p+2. After each verify
-pass the head re-runs over the verified positions with the target's hidden states, which
-rewrites its KV cache for the accepted prefix and yields the next step's first draft; the
-remaining k-1 drafts chain the head on its own post-norm output.
+"""MTP drafting: the target's own multi-token-prediction head (`Qwen3_5Model.mtp`), chained for
+k > 1 as vLLM does (`chained_head`): draft row p takes (token p+1, the target's post-norm hidden
+at p) and predicts token p+2; the chain feeds back the head's post-norm output.
 
 With a reduced draft vocabulary (`DraftVocabHead`, the config's `draft_vocab_size`) the drafts'
 logits come from the first n rows of the lm_head, held as an array of their own.
@@ -17,19 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.qwen3_5 import Batch, KVCache, Qwen3_5Model, TargetOut, init_mtp_cache, unroll_layers
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class MTPState:
-    """cache: the head's KV [1, B, L, kv, d]; draft [B]: the next first draft; hidden [B, H]: the
-    head's post-norm output that drafted it; q [B, V] its draft probabilities (or None)."""
-
-    cache: KVCache
-    draft: jax.Array
-    hidden: jax.Array
-    q: jax.Array | None
+from models.qwen3_5 import Qwen3_5Model, init_mtp_cache
+from proposers.chained_head import ChainedHeadProposer
 
 
 class DraftVocabHead(nnx.Module):
@@ -52,56 +38,21 @@ class DraftVocabHead(nnx.Module):
         return jnp.pad(logits, pad, constant_values=-jnp.inf)
 
 
-def draft_logits(model: Qwen3_5Model, head: DraftVocabHead | None, hidden: jax.Array) -> jax.Array:
-    """The MTP head's draft logits [..., V] from its post-norm hidden [..., H]."""
-    return model.logits(hidden) if head is None else head(hidden)
-
-
-def pick(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """x [B, T, ...] at per-row index idx [B] -> [B, ...]."""
-    return x[jnp.arange(x.shape[0]), idx]
-
-
 @dataclasses.dataclass(frozen=True)
-class MTPProposer:
-    k: int
+class MTPProposer(ChainedHeadProposer):
+    """`draft` is None (the full lm_head) or a `DraftVocabHead`."""
 
-    def init_state(self, model: Qwen3_5Model, draft, tokens, lengths, target: TargetOut, choose,
-                   reference=None) -> MTPState:
-        hidden = target.hidden
-        B, T, _ = hidden.shape
-        n = lengths - 1  # prompt lengths; the first sampled token sits at index n
-        next_tokens = jnp.pad(tokens, ((0, 0), (0, 1)))[:, 1 : T + 1]
-        cache = init_mtp_cache(model.cfg, B, tokens.shape[1], model.dtype)
-        h, cache = model.mtp(model.embed(next_tokens), hidden, Batch(jnp.zeros_like(n), n), cache, kv_len=T)
-        last = pick(h, n - 1)
-        first, q = choose(draft_logits(model, draft, last), lengths)
-        return MTPState(cache, first, last, q)
+    def init_cache(self, model, draft, batch, max_len):
+        return init_mtp_cache(model.cfg, batch, max_len, model.dtype)
 
-    def propose(self, model: Qwen3_5Model, draft, state: MTPState, tokens, lengths, choose):
-        L = state.cache.k.shape[2]
-        ones = jnp.ones_like(lengths)
+    def embed(self, model, draft, tokens):
+        return model.embed(tokens)
 
-        def chain(carry, j):  # draft j from draft j - 1 and the head's own hidden state
-            previous, h, cache = carry
-            x, cache = model.mtp(model.embed(previous[:, None]), h[:, None], Batch(lengths - 2 + j, ones), cache,
-                                 kv_len=L)
-            d, q = choose(draft_logits(model, draft, x[:, 0]), lengths + j)
-            return (d, x[:, 0], cache), (d, q)
+    def features(self, model, draft, target):
+        return target.hidden
 
-        # A scan traces the head once for any k; unrolled where the layers are (the GPU).
-        (_, _, cache), (ds, qs) = jax.lax.scan(chain, (state.draft, state.hidden, state.cache),
-                                               jnp.arange(1, self.k), unroll=unroll_layers())
-        drafts = jnp.concatenate([state.draft[:, None], ds.T], axis=1)
-        q = None if state.q is None else jnp.concatenate([state.q[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
-        n_draft = jnp.full_like(lengths, self.k)
-        return drafts, n_draft, q, dataclasses.replace(state, cache=cache)
+    def head(self, model, draft, embedded, hidden, batch, cache, kv_len):
+        return model.mtp(embedded, hidden, batch, cache, kv_len=kv_len)
 
-    def update(self, model: Qwen3_5Model, draft, state: MTPState, target: TargetOut, emitted, n_acc, lengths,
-               choose) -> MTPState:
-        L = state.cache.k.shape[2]
-        batch = Batch(lengths - 1, n_acc + 1)
-        x, cache = model.mtp(model.embed(emitted), target.hidden, batch, state.cache, kv_len=L)
-        last = pick(x, n_acc)
-        first, q = choose(draft_logits(model, draft, last), lengths + n_acc + 1)
-        return MTPState(cache, first, last, q)
+    def logits(self, model, draft, out):
+        return model.logits(out) if draft is None else draft(out)

@@ -13,7 +13,7 @@ from conftest import drafter_prompts as prompts
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from models.qwen3_5 import Batch
+from models.layers import Batch
 from spec_jax.writing.random_checkpoint import write_checkpoint
 
 
@@ -52,7 +52,7 @@ def test_partial_acceptance_in_a_mixed_batch(tiny_llm, near_copy, plain_greedy, 
 
 def test_the_drafts_caches_end_at_the_accepted_prefix(tiny_llm, near_copy):
     llm = tiny_llm.with_speculation(spec(near_copy, 3))
-    state, do_sample, _ = llm._start_batch(prompts()[2:], [GREEDY])
+    state, do_sample, _ = llm.start_batch(prompts()[2:], [GREEDY])
     state = llm.engine.decode(state, 5, do_sample)
     assert 0 < int(state.stats.accepted[0]) < 15
     n = int(state.lengths[0])

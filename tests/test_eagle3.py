@@ -15,7 +15,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from models.eagle3 import Eagle3Config
-from models.qwen3_5 import Batch, init_cache
+from models.layers import Batch
+from models.qwen3_5 import init_cache
 from spec_jax.writing.random_checkpoint import write_eagle3_checkpoint
 
 HEAD = Eagle3Config(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -40,7 +41,7 @@ def test_drafts_stay_in_the_draft_vocabulary_and_state_follows_the_prefix(tiny_l
     d = write_eagle3_checkpoint(tmp_path / "e", HEAD, seed=3)
     allowed = set((np.arange(128) + load_file(str(d / "model.safetensors"))["d2t"]).tolist())
     llm = tiny_llm.with_speculation(spec(d))
-    state, do_sample, _ = llm._start_batch(prompts()[1:2], [GREEDY])
+    state, do_sample, _ = llm.start_batch(prompts()[1:2], [GREEDY])
     state = llm.engine.decode(state, 4, do_sample)
     assert int(state.proposer.draft[0]) in allowed
     # a fresh pass of the head over the whole committed sequence drafts the same next token

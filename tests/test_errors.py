@@ -149,7 +149,7 @@ def test_llm_arguments_are_checked(tiny_dir, kwargs, message):
 
 
 def test_seeds_past_32_bits_draw_differently():
-    from spec_jax.api.llm import seed_key
+    from spec_jax.api.batching import seed_key
 
     keys = [np.asarray(jax.random.key_data(seed_key(s))) for s in (0, 2**62, 2**32, -5)]
     assert len({k.tobytes() for k in keys}) == 4

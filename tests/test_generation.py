@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.qwen3_5 import Batch, init_cache
+from models.layers import Batch
+from models.qwen3_5 import init_cache
 from spec_jax import SamplingParams
 from spec_jax.loading import load_model
 

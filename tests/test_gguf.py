@@ -13,7 +13,8 @@ import pytest
 from conftest import HF_FIXTURES, TINY
 from flax import nnx
 
-from models.qwen3_5 import Batch, init_cache, init_mtp_cache
+from models.layers import Batch
+from models.qwen3_5 import init_cache, init_mtp_cache
 from spec_jax import LLM, SamplingParams
 from spec_jax.loading import load_model
 from spec_jax.loading.gguf import gguf_tokenizer, reorder_v_heads

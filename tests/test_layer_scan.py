@@ -1,7 +1,7 @@
-"""On the GPU the engine runs the target in its decode layout (every layer's weights arrays of their
-own, layers unrolled) and other models' layer scans unrolled; forced on here, the unstacked target,
-its MTP head, a block drafter's unstacked layers and the speculative step reproduce the rolled
-model's greedy output."""
+"""On the GPU the engine runs the target and its drafters in their decode layout (every layer's
+weights arrays of their own, layers unrolled); forced on here, the unstacked target, its MTP head,
+a block drafter's and a Qwen3 draft model's unstacked layers and the speculative step reproduce the
+rolled model's greedy output."""
 
 import dataclasses
 import gc
@@ -11,24 +11,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, assert_greedy_equals_plain
+from conftest import HF_FIXTURES, TINY, assert_greedy_equals_plain
 from flax import nnx
 from test_dspark import DSPARK
 
 from bench.models import geometry_config, random_model, streamed_bytes
-from models import qwen3_5
-from models.qwen3_5 import Batch, Qwen3_5Config
+from models import layers
+from models.layers import Batch
+from models.qwen3_5 import Qwen3_5Config
 from spec_jax import LLM
 from spec_jax.engine import steps as engine
 from spec_jax.writing.random_checkpoint import write_dflash_checkpoint
 
 
 def test_unrolled_layers_reproduce_the_rolled_model(monkeypatch, tiny_dir, plain_greedy):
-    monkeypatch.setattr(qwen3_5, "unroll_layers", lambda: True)
-    monkeypatch.setattr(engine, "unroll_layers", lambda: True)
-    calls = []
-    rolled_scan = qwen3_5.jax.lax.scan
-    monkeypatch.setattr(qwen3_5.jax.lax, "scan", lambda *a, **kw: calls.append(kw.get("unroll")) or rolled_scan(*a, **kw))
+    monkeypatch.setattr(engine, "default_decode_layout", lambda: True)
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert llm.model.layers is None and len(llm.model.groups) == llm.cfg.num_groups  # the decode layout
@@ -38,13 +35,22 @@ def test_unrolled_layers_reproduce_the_rolled_model(monkeypatch, tiny_dir, plain
 
 def test_block_drafter_decode_layout_reproduces_plain_greedy(monkeypatch, tmp_path, tiny_dir, plain_greedy):
     """DSpark (the DFlash backbone plus the Markov head) with its layers unstacked and unrolled."""
-    monkeypatch.setattr(qwen3_5, "unroll_layers", lambda: True)
-    monkeypatch.setattr(engine, "unroll_layers", lambda: True)
+    monkeypatch.setattr(engine, "default_decode_layout", lambda: True)
     drafter = write_dflash_checkpoint(tmp_path, DSPARK, seed=2, layout="dspark")
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
               speculative_config={"method": "dspark", "model": str(drafter), "num_speculative_tokens": 4})
     _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
     assert draft.layers is None and len(draft.unstacked) == DSPARK.num_hidden_layers
+    assert_greedy_equals_plain(llm, plain_greedy)
+
+
+def test_qwen3_draft_model_decode_layout_reproduces_plain_greedy(monkeypatch, tiny_dir, plain_greedy):
+    monkeypatch.setattr(engine, "default_decode_layout", lambda: True)
+    drafter = HF_FIXTURES.parent / "qwen3"  # a plain Qwen3 checkpoint in the target's vocabulary
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
+              speculative_config={"method": "draft_model", "model": str(drafter), "num_speculative_tokens": 2})
+    _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    assert draft.layers is None and len(draft.unstacked) == draft.cfg.num_hidden_layers
     assert_greedy_equals_plain(llm, plain_greedy)
 
 
@@ -109,7 +115,7 @@ def test_long_prompts_attend_in_query_blocks(monkeypatch):
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 64, n, 16)), jnp.float32) for n in (4, 2, 2))
     visible = jnp.asarray(rng.random((2, 64, 64)) < 0.7)
-    whole = qwen3_5.attend_masked(q, k, v, visible)
-    monkeypatch.setattr(qwen3_5, "QUERY_BLOCK", 16)
-    np.testing.assert_allclose(np.asarray(qwen3_5.attend_masked(q, k, v, visible)), np.asarray(whole),
+    whole = layers.attend_masked(q, k, v, visible)
+    monkeypatch.setattr(layers, "QUERY_BLOCK", 16)
+    np.testing.assert_allclose(np.asarray(layers.attend_masked(q, k, v, visible)), np.asarray(whole),
                                rtol=1e-6, atol=1e-6)

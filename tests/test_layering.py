@@ -44,12 +44,6 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(path, modules) - {name} for name, path in modules.items()}
 
 
-# The quantized-matmul dispatcher and its Mosaic kernels still import each other (the kernels
-# share its NVFP4 format constants and PTX); splitting formats from dispatch removes this one.
-KNOWN_CYCLES = {("pallas_kernels.nvfp4_gemv_mosaic", "pallas_kernels.quant_matmul"),
-                ("pallas_kernels.nvfp4_mma_mosaic", "pallas_kernels.quant_matmul")}
-
-
 def upward_imports(g: dict[str, set[str]]) -> list[str]:
     return sorted(f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
                   for m, deps in g.items() for d in deps if layer(d) > layer(m))
@@ -82,7 +76,7 @@ def test_no_import_runs_up_the_layers():
 
 
 def test_no_import_cycles():
-    cycles = find_cycles(graph()) - KNOWN_CYCLES
+    cycles = find_cycles(graph())
     assert not cycles, "\n".join(" -> ".join(c) for c in sorted(cycles))
 
 

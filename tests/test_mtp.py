@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from conftest import HF_FIXTURES, assert_greedy_equals_plain
 
-from models.qwen3_5 import Batch, init_cache, init_mtp_cache
+from models.layers import Batch
+from models.qwen3_5 import init_cache, init_mtp_cache
 from proposers.mtp import DraftVocabHead
 from spec_jax import SamplingParams
 from spec_jax.loading import load_model
@@ -49,7 +50,7 @@ def test_reduced_draft_vocabulary_drafts_low_ids_and_keeps_greedy_output(tiny_ll
     np.testing.assert_allclose(got[:, :n], full[:, :n], rtol=1e-6, atol=1e-6)
     assert np.all(got[:, n:] == -np.inf) and got.shape == full.shape
     assert_greedy_equals_plain(llm, plain_greedy)
-    state, _, _ = llm._start_batch([[1, 2, 3, 4]], [SamplingParams(max_tokens=8, temperature=0.0)])
+    state, _, _ = llm.start_batch([[1, 2, 3, 4]], [SamplingParams(max_tokens=8, temperature=0.0)])
     assert int(state.proposer.draft[0]) < n
 
 

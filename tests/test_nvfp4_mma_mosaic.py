@@ -11,7 +11,10 @@ import pytest
 import pallas_kernels.nvfp4_gemv_mosaic as gemv
 import pallas_kernels.nvfp4_mma_mosaic as mma
 from pallas_kernels.nvfp4_mma_mosaic import MmaTiling, nvfp4_mma_mosaic, pick_mma_tiling
-from pallas_kernels.quant_matmul import E2M1_SHRINK, MOSAIC_GEMV_ROWS, decode_e2m1, nvfp4_mosaic_matmul, quantize
+from pallas_kernels.quant_formats import E2M1_SHRINK, decode_e2m1, quantize
+from pallas_kernels.quant_matmul import MEASURED_ON, TUNED, nvfp4_mosaic_matmul
+
+GEMV_ROWS = TUNED[MEASURED_ON].mosaic_gemv_rows
 
 
 def _args(M: int, N: int, K: int) -> tuple:
@@ -57,7 +60,7 @@ def test_rule_picks_the_measured_tiling(N, K, want):
     assert pick_mma_tiling(N, K, sm_count=132) == want
 
 
-@pytest.mark.parametrize("M, kernel", [(1, "gemv"), (MOSAIC_GEMV_ROWS, "gemv"), (MOSAIC_GEMV_ROWS + 1, "mma"),
+@pytest.mark.parametrize("M, kernel", [(1, "gemv"), (GEMV_ROWS, "gemv"), (GEMV_ROWS + 1, "mma"),
                                        (mma.MAX_ROWS, "mma"), (mma.MAX_ROWS + 1, None)])
 def test_dispatcher_sends_each_row_count_to_its_kernel(monkeypatch, M, kernel):
     calls = []

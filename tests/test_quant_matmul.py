@@ -11,10 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.quant_matmul import (FEW_PROGRAMS, FORMATS, GEMV_FALLBACK, HALF_MIN_BYTES, MANY_ROWS_TILINGS,
-                                         MULTIPLY_AND_SUM_TILING, ONE_ROW_TILINGS, QuantizedWeight, Tiling,
-                                         decode_e2m1, dequantize, nvfp4_from_modelopt, pick_tiling, quant_matmul,
-                                         quant_matmul_pallas, quant_matmul_reference, quantize)
+from pallas_kernels.quant_formats import (FORMATS, QuantizedWeight, decode_e2m1, dequantize, nvfp4_from_modelopt,
+                                          quant_matmul_reference, quantize)
+from pallas_kernels.quant_matmul import MEASURED_ON, TUNED, Tiling, pick_tiling, quant_matmul, quant_matmul_pallas
+
+TUNED_H200 = TUNED[MEASURED_ON]
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 N, K = 128, 256
@@ -42,7 +43,7 @@ def test_nvfp4_modelopt_bytes_keep_the_even_column_in_the_low_nibble():
 def test_nvfp4_bytes_round_trip_every_code_pair():
     """Every ModelOpt byte (256 code pairs) survives the trip into the kernels' layout and back, and
     the two layouts are different byte orders of the same codes (no two bytes collide)."""
-    from pallas_kernels.quant_matmul import nvfp4_to_modelopt, unpack_e2m1
+    from pallas_kernels.quant_formats import nvfp4_to_modelopt, unpack_e2m1
 
     every = np.arange(256, dtype=np.uint8)
     ours = nvfp4_from_modelopt(every)
@@ -56,7 +57,7 @@ def test_nvfp4_bytes_round_trip_every_code_pair():
 def test_nvfp4_even_column_reads_as_e5m2_and_the_odd_one_mirrored():
     """The layout's point: byte & 0x8E is the even column's value times 2^-14 as e5m2, and the
     bit-reversed byte & 0x8E the odd column's, for all 16 codes in each."""
-    from pallas_kernels.quant_matmul import E2M1_SHRINK, E5M2_E2M1_MASK, pack_e2m1
+    from pallas_kernels.quant_formats import E2M1_SHRINK, E5M2_E2M1_MASK, pack_e2m1
 
     codes = np.arange(16, dtype=np.uint8)
     want = np.asarray(decode_e2m1(jnp.asarray(codes)))
@@ -126,11 +127,11 @@ def test_nvfp4_scales_loaded_word_by_word_give_the_broadcast_ones_product():
 def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
     x = jnp.zeros((1, K), jnp.bfloat16)
     w = quantize(np.ones((N, K), np.float32), "fp8_block")
-    assert pick_tiling(x, w) == GEMV_FALLBACK  # K = 256: no 512-wide steps, 128-wide ones
+    assert pick_tiling(x, w) == TUNED_H200.gemv_fallback  # K = 256: no 512-wide steps, 128-wide ones
     assert pick_tiling(jnp.zeros((1, 192), jnp.bfloat16), quantize(np.ones((N, 192), np.float32), "int8")) is None
     assert pick_tiling(jnp.zeros((65, K), jnp.bfloat16), w) is None
     narrow = quantize(np.ones((48, K), np.float32), "int8")  # 48 columns: 16-wide GEMV blocks only
-    assert pick_tiling(x, narrow) == GEMV_FALLBACK
+    assert pick_tiling(x, narrow) == TUNED_H200.gemv_fallback
     nvfp4 = quantize(np.ones((N, 384), np.float32), "nvfp4")  # 512 does not divide K: 128-wide packed halves
     assert pick_tiling(jnp.zeros((1, 384), jnp.bfloat16), nvfp4) == Tiling(16, 128, gemv=True, packed_halves=True)
     assert pick_tiling(jnp.zeros((2, K), jnp.bfloat16), narrow) is None
@@ -138,16 +139,17 @@ def test_dispatch_tiling_falls_back_to_what_divides_the_shape():
 
 def test_dispatch_one_row_takes_a_gemv_tiling_more_rows_a_dot():
     w = quantize(np.ones((N, 2560), np.float32), "int8")
-    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == MULTIPLY_AND_SUM_TILING  # 1.3 MB: one launch
-    rows = 16 * FEW_PROGRAMS  # enough programs to keep 4 warps each
-    big = QuantizedWeight(jax.ShapeDtypeStruct((rows, HALF_MIN_BYTES // rows), jnp.int8),
+    assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w) == TUNED_H200.multiply_and_sum  # 1.3 MB: one launch
+    rows = 16 * TUNED_H200.few_programs  # enough programs to keep 4 warps each
+    big = QuantizedWeight(jax.ShapeDtypeStruct((rows, TUNED_H200.half_min_bytes // rows), jnp.int8),
                           jax.ShapeDtypeStruct((rows,), jnp.float32), None, "int8")
-    assert pick_tiling(jnp.zeros((1, HALF_MIN_BYTES // rows), jnp.bfloat16), big) == ONE_ROW_TILINGS["int8"]
-    assert ONE_ROW_TILINGS["int8"].packed_halves
+    row = jnp.zeros((1, TUNED_H200.half_min_bytes // rows), jnp.bfloat16)
+    assert pick_tiling(row, big) == TUNED_H200.one_row["int8"]
+    assert TUNED_H200.one_row["int8"].packed_halves
     assert pick_tiling(jnp.zeros((1, 2560), jnp.bfloat16), w).gemv
-    assert pick_tiling(jnp.zeros((2, 2560), jnp.bfloat16), w) == MANY_ROWS_TILINGS["int8"]
+    assert pick_tiling(jnp.zeros((2, 2560), jnp.bfloat16), w) == TUNED_H200.many_rows["int8"]
     w = quantize(np.ones((N, 384), np.float32), "int8")  # K = 384: 512 does not divide it, the GEMV fallback does
-    assert pick_tiling(jnp.zeros((1, 384), jnp.bfloat16), w) == GEMV_FALLBACK
+    assert pick_tiling(jnp.zeros((1, 384), jnp.bfloat16), w) == TUNED_H200.gemv_fallback
 
 
 def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_deeper_steps():
@@ -156,14 +158,14 @@ def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_dee
     where they divide it, else the format's own), else neither; a tall weight keeps 4 warps."""
     def one_row(n, k=5120, fmt="nvfp4"):
         return pick_tiling(jnp.zeros((1, k), jnp.bfloat16), jax.eval_shape(lambda: quantize(jnp.ones((n, k)), fmt)))
-    nvfp4 = ONE_ROW_TILINGS["nvfp4"]
-    assert one_row(16 * (FEW_PROGRAMS - 1)) == dataclasses.replace(nvfp4, num_warps=8)
-    assert one_row(16 * FEW_PROGRAMS) == nvfp4 and nvfp4.num_warps == 4
+    nvfp4 = TUNED_H200.one_row["nvfp4"]
+    assert one_row(16 * (TUNED_H200.few_programs - 1)) == dataclasses.replace(nvfp4, num_warps=8)
+    assert one_row(16 * TUNED_H200.few_programs) == nvfp4 and nvfp4.num_warps == 4
     for fmt in FORMATS:  # 27B down: unsplit, 1024-wide steps, 16 warps (whole rounds make it even); fp8 blocks 32 rows
         rows = 32 if fmt == "fp8_block" else 16
-        assert one_row(5120, 17408, fmt) == dataclasses.replace(ONE_ROW_TILINGS[fmt], block_n=rows, block_k=1024,
+        assert one_row(5120, 17408, fmt) == dataclasses.replace(TUNED_H200.one_row[fmt], block_n=rows, block_k=1024,
                                                                 num_warps=16)
-    int8 = dataclasses.replace(ONE_ROW_TILINGS["int8"], num_warps=8)
+    int8 = dataclasses.replace(TUNED_H200.one_row["int8"], num_warps=8)
     assert one_row(5120, 17408 + 512, "int8") == dataclasses.replace(int8, split_k=2)  # 1024 and 2 x 512 do not divide K, 2 x 256 does
     assert one_row(5120, 17408 + 256, "int8") == int8  # neither does: unsplit
     assert one_row(1024, 3584).split_k == 1  # 0.8B: 1.8 MB, the partial sums' addition would cost more
@@ -173,12 +175,12 @@ def test_rounds_give_the_rows_left_after_whole_rounds_to_smaller_programs():
     """27B up projection on 132 SMs: 1088 16-row programs would leave 32 SMs a ninth; instead 1056
     run in 8 whole rounds and 128 programs of 4 rows take the 512 rows left. Nothing left, a split
     K, or fewer blocks than SMs: one size."""
-    t = dataclasses.replace(ONE_ROW_TILINGS["int8"], rounds=132)
+    t = dataclasses.replace(TUNED_H200.one_row["int8"], rounds=132)
     assert t.row_blocks(17408, 64) == (1056, 128, 4)
     assert t.row_blocks(16896, 64) == (1056, 0, 0)
     assert dataclasses.replace(t, split_k=2).row_blocks(17408, 64) == (1088, 0, 0)
     assert t.row_blocks(1024, 64) == (64, 0, 0)
-    assert ONE_ROW_TILINGS["int8"].row_blocks(17408, 64) == (1088, 0, 0)
+    assert TUNED_H200.one_row["int8"].row_blocks(17408, 64) == (1088, 0, 0)
     deep = Tiling(16, 1024, 1, 16, gemv=True, packed_halves=True, rounds=132)  # 27B down, 256-word steps
     assert deep.row_blocks(5120, 256) == (264, 112, 8)
     assert deep.row_blocks(5120, 64) == (320, 0, 0)  # 8 rows of 64 words: under a word pair a thread
@@ -192,7 +194,7 @@ def test_rounds_give_the_rows_left_after_whole_rounds_to_smaller_programs():
 def test_packed_half_gemv_with_smaller_programs_for_the_rows_left_matches(fmt):
     """N = 144: nine 16-row blocks over 4 "SMs" leave one block, taken by smaller programs (4 rows,
     8 for NVFP4, whose 32-word steps need 8 rows to give each thread a word pair)."""
-    from pallas_kernels.quant_matmul import VALUES_PER_WORD
+    from pallas_kernels.quant_formats import VALUES_PER_WORD
 
     rng = np.random.default_rng(8)
     w = quantize(rng.normal(size=(144, 512)).astype(np.float32), fmt)
@@ -235,7 +237,7 @@ def test_one_row_packed_half_gemv_takes_activations_of_any_size(fmt, x_scale):
     rng = np.random.default_rng(11)
     w = quantize(rng.normal(size=(N, 1024)).astype(np.float32), fmt)
     x = jnp.asarray(rng.normal(size=(1, 1024)) * x_scale, jnp.bfloat16)
-    tiling = ONE_ROW_TILINGS[fmt]
+    tiling = TUNED_H200.one_row[fmt]
     assert tiling.packed_halves and tiling.fits(w)
     got = quant_matmul_pallas(x, w, tiling=tiling, interpret=True)
     assert rel(got, quant_matmul_reference(x.astype(jnp.float32), w)) < 2e-3 * 2
@@ -246,7 +248,8 @@ def test_packed_half_row_lands_inside_f16_range_by_range_and_is_paired_as_the_pt
     """The row kernel puts each K range's largest |x| in [2^(T-1), 2^T) for the format's T, pairs the
     values as X_PAIR_VALUES says, and each range's factor undoes its scaling exactly. The ranges
     differ by 10^9 in size, so one scale for the whole row would lose the small ones to f16."""
-    from pallas_kernels.quant_matmul import VALUES_PER_WORD, X_PAIR_VALUES, X_TOP_EXPONENT, half_row
+    from pallas_kernels.quant_formats import VALUES_PER_WORD, X_PAIR_VALUES, X_TOP_EXPONENT
+    from pallas_kernels.quant_matmul import half_row
 
     range_max, size, per_word = np.array([7e4, 3e-5, 1.0, 0.0]), 256, VALUES_PER_WORD[fmt]
     x = np.concatenate([np.linspace(-m, m / 3, size) * np.random.default_rng(0).permutation(size) / size for m in range_max])
@@ -401,7 +404,8 @@ def test_int8_ptx_turns_every_byte_into_its_float():
 
 def test_e2m1_ptx_reads_every_code_pair_as_e5m2_times_2_to_the_minus_14():
     """The many-row kernels' decode: four bytes a word, the even columns then the odd ones."""
-    from pallas_kernels.quant_matmul import _E2M1_TO_E5M2_PTX, E2M1_SHRINK, unpack_e2m1
+    from pallas_kernels.quant_formats import E2M1_SHRINK, unpack_e2m1
+    from pallas_kernels.quant_matmul import _E2M1_TO_E5M2_PTX
 
     data = nvfp4_from_modelopt(np.arange(256, dtype=np.uint8))
     for asm, codes in zip(_E2M1_TO_E5M2_PTX, unpack_e2m1(jnp.asarray(data))):

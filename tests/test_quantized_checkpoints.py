@@ -20,7 +20,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from models.qwen3_5 import Batch, Linear, Qwen3_5Config, init_mtp_cache
+from models.layers import Batch, Linear
+from models.qwen3_5 import Qwen3_5Config, init_mtp_cache
 from spec_jax import LLM, SamplingParams
 from spec_jax.api.cli import main
 from spec_jax.engine.steps import Engine
@@ -263,7 +264,7 @@ def test_a_conversion_holding_modelopt_nibbles_restores_the_same(quantized, quan
     refused by name."""
     import orbax.checkpoint as ocp
 
-    from pallas_kernels.quant_matmul import nvfp4_to_modelopt
+    from pallas_kernels.quant_formats import nvfp4_to_modelopt
 
     out = tmp_path / "c"
     assert main(["convert", "--model", str(quantized[0]), "--output", str(out), "--dtype", "float32"]) == 0

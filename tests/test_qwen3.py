@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from models.layers import Batch, KVCache
 from models.qwen3 import Qwen3Config, init_qwen3_cache
-from models.qwen3_5 import Batch, KVCache
 from spec_jax.loading.qwen3 import load_qwen3
 from spec_jax.loading.source import CheckpointError
 

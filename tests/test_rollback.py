@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.qwen3_5 import Batch, GDNCache, KVCache, init_cache
+from models.layers import Batch, KVCache
+from models.qwen3_5 import GDNCache, init_cache
 from spec_jax.loading import load_model
 
 L, N_PROMPT, K = 128, 11, 3

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import HF_FIXTURES
 
-from models.qwen3_5 import Batch, init_cache, init_mtp_cache
+from models.layers import Batch
+from models.qwen3_5 import init_cache, init_mtp_cache
 from spec_jax import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -116,7 +117,7 @@ def test_mtp_state_after_rollbacks_matches_a_full_forward(echo_dir):
     llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=1,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    state, do_sample, _ = llm._start_batch(prompts(1), [params])
+    state, do_sample, _ = llm.start_batch(prompts(1), [params])
     state = llm.engine.decode(state, 6, do_sample)
     assert int(state.stats.num_drafts[0]) == 6 and 0 < int(state.stats.accepted[0]) < 18
     n = int(state.lengths[0])

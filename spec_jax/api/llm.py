@@ -21,22 +21,16 @@ import numpy as np
 from tqdm import tqdm
 
 from models.qwen3_5 import CHUNK, ROLLBACKS, Qwen3_5Model
-from proposers.dflash import DFlashProposer
-from proposers.draft_model import DraftModelProposer
-from proposers.dspark import DSparkProposer
-from proposers.eagle3 import Eagle3Proposer
-from proposers.mtp import DraftVocabHead, MTPProposer
-from proposers.ngram import NgramProposer
-from proposers.oracle import OracleProposer, OracleTokens, SyntheticAcceptance
+from proposers.registry import build_proposer, target_drafter
+from spec_jax.api.batching import assemble_batch, proposer_reference
+from spec_jax.api.metrics import aggregate_metrics, request_metrics
 from spec_jax.default_model import default_model_dir
-from spec_jax.engine.sampling import RowSampling
-from spec_jax.engine.spec_config import NEEDS_MODEL, SpeculativeConfig, parse_speculative_config
+from spec_jax.engine.spec_config import NEEDS_MODEL, parse_speculative_config
 from spec_jax.engine.steps import DecodeState, Engine, SpecPlan, enable_compilation_cache
 from spec_jax.loading import load_model
-from spec_jax.loading.drafters import load_dflash, load_eagle3
+from spec_jax.loading.drafters import load_draft
 from spec_jax.loading.gguf import find_gguf, gguf_tokenizer
-from spec_jax.loading.qwen3 import load_qwen3
-from spec_jax.loading.source import read_json, resolve_dtype
+from spec_jax.loading.source import resolve_dtype
 from spec_jax.loading.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -83,14 +77,6 @@ class SamplingParams:
 
 
 INT32_MAX = 2**31 - 1  # token ids, counts and top_k live in int32 on the device
-
-
-def seed_key(seed: int) -> jax.Array:
-    """A PRNG key from all 64 bits of a seed (`jax.random.key` keeps only the low 32 without x64,
-    so 0 and 2**62 would draw alike)."""
-    seed &= 2**64 - 1
-    key = jax.random.key(seed & 0xFFFFFFFF)
-    return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key
 
 
 def check_int(name: str, value, lo: int, hi: int, rule: str) -> None:
@@ -202,10 +188,10 @@ class LLM:
                              f"{spec.method if spec else None!r} runs none; methods with one: {', '.join(NEEDS_MODEL)}")
         if draft is None and spec is not None and spec.method in NEEDS_MODEL:
             draft = load_draft(spec, self.cfg, self.model.dtype)
-        if spec is not None and spec.draft_vocab_size is not None:
-            draft = DraftVocabHead(self.model, spec.draft_vocab_size)
+        if spec is not None and draft is None:
+            draft = target_drafter(spec, self.model)
         cache_len = -(-self.max_model_len // CHUNK) * CHUNK
-        plan = None if spec is None else SpecPlan(make_proposer(spec, self.cfg, cache_len, draft),
+        plan = None if spec is None else SpecPlan(build_proposer(spec, self.cfg.vocab_size, cache_len, draft),
                                                   spec.num_speculative_tokens, rollback,
                                                   spec.draft_sample_method == "probabilistic")
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
@@ -319,7 +305,7 @@ class LLM:
         params = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(ids):
             raise ValueError(f"got {len(params)} sampling_params for {len(ids)} prompts")
-        return self._start_batch(ids, params)[0]
+        return self.start_batch(ids, params)[0]
 
     def decode(self, state: DecodeState, steps: int = 1) -> DecodeState:
         """Run up to `steps` jitted (speculative) steps on a `prefill`ed state, on the device,
@@ -333,62 +319,31 @@ class LLM:
         self._requests += 1
         return p.seed if p.seed is not None else hash((self.seed, self._requests)) & 0x7FFFFFFF
 
-    def _start_batch(self, ids, params, *, stop_width: int | None = None, do_sample: bool | None = None):
-        """Pad a batch to its buckets and prefill it. Returns (state, do_sample, stop lists).
-
-        The scheduler fixes stop_width (the stop_ids columns) and do_sample so that every row it
+    def start_batch(self, ids: Sequence[Sequence[int]], params: Sequence[SamplingParams], *,
+                    stop_width: int | None = None, do_sample: bool | None = None):
+        """Pad a batch of checked prompt ids to the engine's buckets and prefill it (one
+        `SamplingParams` a row). Returns (DecodeState, do_sample, each row's stop ids). The
+        scheduler fixes stop_width (the stop_ids columns) and do_sample so that every row it
         prefills fits its live batch."""
-        n = len(ids)
-        B = self.engine.batch_bucket(n)
-        T = self.engine.prompt_bucket(max(len(x) for x in ids))
-        tokens = np.zeros((B, T), np.int32)
-        lengths = np.ones((B,), np.int32)
-        max_lengths = np.full((B,), 2, np.int32)
-        eos = list(self.cfg.eos_token_id)
-        stops = [list(p.stop_token_ids or []) + ([] if p.ignore_eos else eos) for p in params]
-        stop_ids = np.full((B, stop_width or max(1, max(len(s) for s in stops))), -1, np.int32)
-        for i, (x, p, st) in enumerate(zip(ids, params, stops)):
-            tokens[i, :len(x)] = x
-            lengths[i] = len(x)
-            budget = p.max_tokens if p.max_tokens is not None else self.max_model_len
-            max_lengths[i] = min(len(x) + budget, self.max_model_len)
-            stop_ids[i, :len(st)] = st
-        done = np.arange(B) >= n  # padding rows of the bucket never run
-        speculate = np.zeros((B,), bool)
-        speculate[:n] = [p.speculative for p in params]
-        pad = lambda values, fill, dtype: np.asarray(list(values) + [fill] * (B - n), dtype)
-        temperature = pad((p.temperature for p in params), 0.0, np.float32)
-        keys = jax.random.split(jax.random.key(0), B)
-        keys = keys.at[:n].set(jnp.stack([seed_key(self._row_seed(p)) for p in params]))
-        sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(pad((max(p.top_k, 0) for p in params), 0, np.int32)),
-                               jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys)
-        do_sample = bool((temperature > 0).any()) if do_sample is None else do_sample
-        inputs = [jnp.asarray(x) for x in (tokens, lengths, max_lengths, stop_ids)] + [sampling, jnp.asarray(done)]
-        proposer = self.engine.plan.proposer if self.engine.plan else None
-        reference = None
-        if isinstance(proposer, SyntheticAcceptance):
-            reference = jnp.asarray(proposer.reference(B))
-        elif isinstance(proposer, (OracleProposer, OracleTokens)):
-            reference = self._oracle_reference(inputs, do_sample)
-        state = self.engine.prefill(*inputs, jnp.asarray(speculate), reference, do_sample)
-        return state, do_sample, stops
+        seeds = [self._row_seed(p) for p in params]
+        batch = assemble_batch(ids, params, seeds, rows=self.engine.batch_bucket(len(ids)),
+                               prompt_len=self.engine.prompt_bucket(max(len(x) for x in ids)),
+                               max_model_len=self.max_model_len, eos=self.cfg.eos_token_id, stop_width=stop_width)
+        do_sample = batch.do_sample if do_sample is None else do_sample
+        reference = proposer_reference(self.engine, batch, self._plain, do_sample)
+        state = self.engine.prefill(*batch.inputs(), jnp.asarray(batch.speculate), reference, do_sample)
+        return state, do_sample, batch.stops
 
-    def _oracle_reference(self, inputs, do_sample: bool):
-        """The target's own continuation of each row (plain decoding), for the oracle proposer."""
+    def _plain(self) -> Engine:
+        """A plain-decoding engine on the same weights (the oracle's reference run), made once."""
         if getattr(self, "_plain_engine", None) is None:
             self._plain_engine = Engine(self.model, max_model_len=self.max_model_len,
                                         max_num_seqs=self.engine.max_num_seqs)
-        plain = self._plain_engine
-        tokens, lengths, max_lengths, stop_ids, sampling, done = inputs
-        no_stop = jnp.full_like(stop_ids, -1)
-        # As far as any draft of the speculative run can reach: its last step drafts k past its limit.
-        reach = jnp.minimum(max_lengths + self.engine.plan.k, self.max_model_len)
-        state = plain.prefill(tokens, lengths, reach, no_stop, sampling, done, jnp.zeros_like(done), None, do_sample)
-        return plain.decode(state, self.max_model_len, do_sample).tokens
+        return self._plain_engine
 
     def _run_batch(self, prompts, ids, params) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        state, do_sample, stops = self._start_batch(ids, params)
+        state, do_sample, stops = self.start_batch(ids, params)
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
         state = self.engine.decode(state, self.max_model_len, do_sample)
@@ -415,7 +370,7 @@ class LLM:
             raise ValueError(f"steps_per_chunk={steps_per_chunk} must be at least 1")
         ids = self.tokenize(prompt if prompt is not None else prompt_token_ids)
         params = sampling_params or SamplingParams()
-        state, do_sample, _ = self._start_batch([ids], [params])
+        state, do_sample, _ = self.start_batch([ids], [params])
         sent = len(ids)
         while True:
             length, done = (int(x) for x in jax.device_get((state.lengths[0], state.done[0])))
@@ -425,101 +380,3 @@ class LLM:
             if done:
                 return
             state = self.engine.decode(state, steps_per_chunk, do_sample)
-
-
-def make_proposer(spec: SpeculativeConfig, cfg, cache_len: int, draft=None):
-    """The proposer object for a parsed speculative config (draft: its loaded network, if any).
-    An `oracle_corruption_rate` on a drafter method wraps it in `OracleTokens`, synthetic
-    rejection in `SyntheticAcceptance` (benchmarks only)."""
-    proposer = method_proposer(spec, cfg, cache_len, draft)
-    if spec.method != "oracle" and spec.oracle_corruption_rate is not None:
-        proposer = OracleTokens(proposer, OracleProposer(proposer.k, spec.oracle_corruption_rate, cfg.vocab_size))
-    if spec.rejection_sample_method == "synthetic":
-        proposer = SyntheticAcceptance(proposer, spec.synthetic_conditional_rates())
-    return proposer
-
-
-def method_proposer(spec: SpeculativeConfig, cfg, cache_len: int, draft=None):
-    """The proposer that `spec.method` names."""
-    k = spec.num_speculative_tokens
-    if spec.method == "ngram":
-        return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "mtp":
-        return MTPProposer(k)
-    if spec.method == "draft_model":
-        return DraftModelProposer(k, cache_len)
-    if spec.method == "eagle3":
-        return Eagle3Proposer(k, draft.cfg.target_layer_ids)
-    if spec.method in ("dflash", "dspark"):
-        d = draft.cfg
-        if d.method != spec.method:
-            raise ValueError(f"{spec.model!r} is a {d.method} drafter, not {spec.method}; set method to {d.method!r}")
-        scales = (d.input_embedding_scale, d.output_multiplier, d.final_logit_softcapping)
-        if spec.method == "dflash":
-            if k != d.block_size - 1:
-                raise ValueError(f"num_speculative_tokens={k} but the DFlash drafter {spec.model!r} drafts "
-                                 f"block_size - 1 = {d.block_size - 1} tokens per block; set num_speculative_tokens "
-                                 f"to {d.block_size - 1}")
-            return DFlashProposer(k, d.target_layer_ids, d.mask_token_id, *scales)
-        if k < d.block_size:
-            raise ValueError(f"num_speculative_tokens={k} is below the DSpark drafter's block_size {d.block_size}; "
-                             f"a shorter block drafts wrong tokens, so set it to at least {d.block_size}")
-        return DSparkProposer(k, d.target_layer_ids, d.mask_token_id, *scales, sample_from_anchor=d.sample_from_anchor)
-    if spec.method == "oracle":
-        return OracleProposer(k, spec.oracle_corruption_rate, cfg.vocab_size)
-    raise ValueError(f"speculative method {spec.method!r} has no proposer")
-
-
-def load_draft(spec: SpeculativeConfig, target_cfg, dtype):
-    """The drafter's network in the target's dtype: a DFlash drafter, or for draft_model a
-    Qwen3.5/3.6 or plain Qwen3 model whose vocabulary must be the target's (drafts are token ids
-    the target verifies)."""
-    if spec.method in ("dflash", "dspark"):
-        return load_dflash(spec.model, target_cfg, dtype)[0]
-    if spec.method == "eagle3":
-        return load_eagle3(spec.model, target_cfg, dtype)[0]
-    config = read_json(Path(spec.model) / "config.json")
-    architectures = " ".join(config.get("architectures") or [])
-    for marker, method in (("DFlash", "dflash"), ("DSpark", "dspark"), ("Eagle3", "eagle3")):
-        if marker in architectures or config.get("speculators_model_type") == method:
-            raise ValueError(f"{spec.model!r} is a {method} drafter ({architectures or method}), not a model "
-                             f"draft_model can run; set method to {method!r}")
-    if config.get("model_type") == "qwen3":
-        draft, cfg = load_qwen3(spec.model, dtype)
-    else:
-        draft, cfg = load_model(spec.model, dtype)
-    if cfg.vocab_size != target_cfg.vocab_size:
-        raise ValueError(f"draft model {spec.model!r} has vocab_size {cfg.vocab_size} but the target has "
-                         f"{target_cfg.vocab_size}; draft_model needs the target's vocabulary")
-    return draft
-
-
-def request_metrics(n_prompt: int, n_gen: int, prefill_s: float, decode_s: float, stats, row: int) -> dict:
-    """One request's figures; the speculation counters are vLLM's (mean acceptance length =
-    1 + accepted / steps that drafted)."""
-    m = {"num_prompt_tokens": n_prompt, "num_generated_tokens": n_gen, "prefill_s": prefill_s, "decode_s": decode_s,
-         "tpot_s": decode_s / max(n_gen - 1, 1), "tokens_per_s": n_gen / max(prefill_s + decode_s, 1e-9)}
-    if stats is not None:
-        drafted, accepted, steps = int(stats.drafted[row]), int(stats.accepted[row]), int(stats.num_drafts[row])
-        m.update(num_drafts=steps, num_draft_tokens=drafted, num_accepted_tokens=accepted,
-                 acceptance_rate=accepted / drafted if drafted else 0.0,
-                 mean_acceptance_length=1 + accepted / steps if steps else 1.0,
-                 acceptance_per_position=[int(a) / steps if steps else 0.0 for a in stats.per_position[row]])
-    return m
-
-
-def aggregate_metrics(outputs: Sequence[RequestOutput]) -> dict:
-    """Totals over requests: tokens, speculation counters, acceptance figures."""
-    ms = [o.metrics for o in outputs]
-    total = {"num_requests": len(ms), "num_generated_tokens": sum(m["num_generated_tokens"] for m in ms)}
-    if ms and "num_drafts" in ms[0]:
-        steps = sum(m["num_drafts"] for m in ms)
-        drafted = sum(m["num_draft_tokens"] for m in ms)
-        accepted = sum(m["num_accepted_tokens"] for m in ms)
-        k = len(ms[0]["acceptance_per_position"])
-        per_pos = [sum(m["acceptance_per_position"][i] * m["num_drafts"] for m in ms) / steps if steps else 0.0
-                   for i in range(k)]
-        total.update(num_drafts=steps, num_draft_tokens=drafted, num_accepted_tokens=accepted,
-                     acceptance_rate=accepted / drafted if drafted else 0.0,
-                     mean_acceptance_length=1 + accepted / steps if steps else 1.0, acceptance_per_position=per_pos)
-    return total

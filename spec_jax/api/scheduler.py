@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.api.llm import LLM, SamplingParams, request_metrics
+from spec_jax.api.llm import LLM, SamplingParams
+from spec_jax.api.metrics import request_metrics
 
 MAX_STOP_TOKEN_IDS = 16  # per request besides EOS: the live batch's stop_ids width is fixed
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class Update:
     """What a request hears: its new token ids; at the end, why it finished ("stop", "length",
-    "abort" when cancelled, "error"), its metrics (`llm.request_metrics` plus queue_s) and any
+    "abort" when cancelled, "error"), its metrics (`metrics.request_metrics` plus queue_s) and any
     error text."""
 
     token_ids: list[int]
@@ -183,7 +184,7 @@ class Scheduler:
         """A live batch whose rows are all done: a prefill of one-token dummies that stop at once."""
         dummy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         B = len(self.slots)
-        state, _, _ = self.llm._start_batch([[0]] * B, [dummy] * B, stop_width=self.stop_width,
+        state, _, _ = self.llm.start_batch([[0]] * B, [dummy] * B, stop_width=self.stop_width,
                                             do_sample=self.always_sample or None)
         return state
 
@@ -221,7 +222,7 @@ class Scheduler:
             req = self.waiting.popleft()
             req.t_admit = time.perf_counter()
             try:
-                row, _, stops = self.llm._start_batch([req.prompt_token_ids], [req.params], stop_width=self.stop_width,
+                row, _, stops = self.llm.start_batch([req.prompt_token_ids], [req.params], stop_width=self.stop_width,
                                                       do_sample=self.always_sample or None)
             except Exception as e:  # e.g. a prompt bucket that fails to compile: this request only
                 log.exception("prefill failed")

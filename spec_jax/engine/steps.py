@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.qwen3_5 import CHUNK, Batch, Qwen3_5Config, Qwen3_5Model, TargetOut, init_cache, unroll_layers
+from models.layers import Batch
+from models.qwen3_5 import CHUNK, Qwen3_5Config, Qwen3_5Model, TargetOut, init_cache
+from proposers import Proposer
 from proposers.oracle import SyntheticAcceptance
 from spec_jax.engine.sampling import RowSampling, accept_drafts, accept_synthetic, draw, sample_tokens, warp_logits
 
@@ -81,7 +83,7 @@ class SpecPlan:
     `proposers/`), k drafts per step, the GDN rollback ("checkpoint" or "replay"), and whether
     drafts are sampled with their probabilities kept (vLLM's draft_sample_method)."""
 
-    proposer: Any
+    proposer: Proposer
     k: int
     rollback: str = "replay"
     probabilistic: bool = False
@@ -284,15 +286,23 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def default_decode_layout() -> bool:
+    """Whether an engine switches its networks to the decode layout when not told: on the GPU,
+    where XLA copies weights sliced out of a stack inside the decode loop; elsewhere the stacked,
+    rolled layout compiles faster and runs alike."""
+    return jax.default_backend() == "gpu"
+
+
 class Engine:
     """A loaded model plus its ahead-of-time compiled executables, keyed by shape bucket."""
 
     def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None,
-                 draft=None):
-        """draft: the proposer's own network (an NNX model), if its method has one. Where layers
-        run unrolled (the GPU) the target and a drafter with stacked layers switch to their decode
-        layout (`Qwen3_5Model.use_decode_layout`, in place), so no step copies a weight out of a stack."""
-        if unroll_layers():
+                 draft=None, decode_layout: bool | None = None):
+        """draft: the proposer's own network (an NNX model), if its method has one.
+        decode_layout: switch the target and a drafter with stacked layers to their decode layout
+        (`Qwen3_5Model.use_decode_layout`, in place: every layer's weights arrays of their own, run
+        unrolled); None: `default_decode_layout()`."""
+        if default_decode_layout() if decode_layout is None else decode_layout:
             for network in (model, draft):
                 if hasattr(network, "use_decode_layout"):
                     network.use_decode_layout()

@@ -1,15 +1,19 @@
 """Loading drafter checkpoints in their published layouts (z-lab DFlash; DSpark native and
-Speculators; EAGLE-3 Speculators), checked against the target they will draft for."""
+Speculators; EAGLE-3 Speculators; a draft model), checked against the target they will draft for.
+`load_draft` picks the loader a speculative config's method needs."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from models.dflash import DFlashConfig, DFlashDraft
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.qwen3_5 import Qwen3_5Config
-from spec_jax.loading.source import TensorSource, fill_params, read_config, resolve_dtype
+from spec_jax.loading import load_model
+from spec_jax.loading.qwen3 import load_qwen3
+from spec_jax.loading.source import TensorSource, fill_params, read_config, read_json, resolve_dtype
 
 ATTENTION_PARAMS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 
@@ -92,3 +96,28 @@ def load_eagle3(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="floa
                                 else "midlayer." + name[len("layers.0."):])
     model = fill_params(lambda: Eagle3Draft(cfg, dtype=resolve_dtype(dtype)), src, eagle3_sources, read)
     return model, cfg
+
+
+def load_draft(spec, target_cfg, dtype):
+    """The network a parsed speculative config's `model` names, in the target's dtype: a DFlash /
+    DSpark drafter, an EAGLE-3 head, or for draft_model a
+    Qwen3.5/3.6 or plain Qwen3 model whose vocabulary must be the target's (drafts are token ids
+    the target verifies)."""
+    if spec.method in ("dflash", "dspark"):
+        return load_dflash(spec.model, target_cfg, dtype)[0]
+    if spec.method == "eagle3":
+        return load_eagle3(spec.model, target_cfg, dtype)[0]
+    config = read_json(Path(spec.model) / "config.json")
+    architectures = " ".join(config.get("architectures") or [])
+    for marker, method in (("DFlash", "dflash"), ("DSpark", "dspark"), ("Eagle3", "eagle3")):
+        if marker in architectures or config.get("speculators_model_type") == method:
+            raise ValueError(f"{spec.model!r} is a {method} drafter ({architectures or method}), not a model "
+                             f"draft_model can run; set method to {method!r}")
+    if config.get("model_type") == "qwen3":
+        draft, cfg = load_qwen3(spec.model, dtype)
+    else:
+        draft, cfg = load_model(spec.model, dtype)
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"draft model {spec.model!r} has vocab_size {cfg.vocab_size} but the target has "
+                         f"{target_cfg.vocab_size}; draft_model needs the target's vocabulary")
+    return draft

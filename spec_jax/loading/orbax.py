@@ -14,8 +14,9 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from models.qwen3_5 import Qwen3_5Model, quantize_linears
-from pallas_kernels.quant_matmul import E2M1_BITS, nvfp4_from_modelopt
+from models.layers import quantize_linears
+from models.qwen3_5 import Qwen3_5Model
+from pallas_kernels.quant_formats import E2M1_BITS, nvfp4_from_modelopt
 from spec_jax.loading.source import CheckpointError, load_config, read_json, resolve_dtype
 
 MARKER = "spec_jax.json"
@@ -77,7 +78,7 @@ def restore(model_dir: str | os.PathLike, dtype: str | None = None):
 
 
 def nvfp4_bytes_as_saved(params: dict, formats: dict[tuple, str], marker: dict, model_dir: Path) -> None:
-    """Bring restored NVFP4 codes into today's byte layout (quant_matmul.E2M1_BITS), in place.
+    """Bring restored NVFP4 codes into today's byte layout (quant_formats.E2M1_BITS), in place.
     Directories converted before the marker named it hold ModelOpt's nibbles (the even column low)."""
     saved = marker.get("nvfp4_bits")
     if saved == NVFP4_BITS or "nvfp4" not in formats.values():

@@ -31,8 +31,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from models.qwen3_5 import SCALE_NAMES, Linear, Qwen3_5Config, quantize_linears
-from pallas_kernels.quant_matmul import QuantizedWeight, dequantize, nvfp4_from_modelopt, quantize
+from models.layers import SCALE_NAMES, Linear, quantize_linears
+from models.qwen3_5 import Qwen3_5Config
+from pallas_kernels.quant_formats import QuantizedWeight, dequantize, nvfp4_from_modelopt, quantize
 from spec_jax.loading.source import CheckpointError, TensorSource, param_sources, read_json
 
 # Linears that the published FP8 and NVFP4 checkpoints quantize (module names, any layer).
@@ -138,7 +139,7 @@ class QuantizedSource(TensorSource):
 
     def codes(self, name: str) -> np.ndarray:
         """A quantized Linear's `weight` as quant_matmul holds it: NVFP4's ModelOpt nibbles are moved
-        into the kernels' bit layout (`quant_matmul.E2M1_BITS`); FP8 codes are the stored bytes."""
+        into the kernels' bit layout (`quant_formats.E2M1_BITS`); FP8 codes are the stored bytes."""
         data = self.raw(name)
         return nvfp4_from_modelopt(data) if self.scheme.format == "nvfp4" else data
 
@@ -176,7 +177,7 @@ def quantized_linears(model: nnx.Module) -> dict[tuple, str]:
 
 
 def quantize_projections(model: nnx.Module, fmt: str) -> nnx.Module:
-    """Quantize (in place, with quant_matmul.quantize) every float projection the published
+    """Quantize (in place, with quant_formats.quantize) every float projection the published
     quantized checkpoints quantize (`QUANTIZED_PROJECTIONS`); other Linears stay float."""
     paths = {path: fmt for path, m in nnx.iter_modules(model)
              if isinstance(m, Linear) and m.format is None and path and path[-1] in QUANTIZED_PROJECTIONS}

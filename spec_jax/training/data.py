@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.qwen3_5 import Batch
+from models.layers import Batch
 from spec_jax.training.corpus import KINDS, Corpus
 
 

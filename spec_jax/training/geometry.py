@@ -14,8 +14,9 @@ import numpy as np
 from flax import nnx
 
 from models.dflash import DFlashConfig
-from models.qwen3 import PlainRMSNorm, Qwen3Config
-from models.qwen3_5 import GatedDeltaNet, GatedRMSNorm, Linear, Qwen3_5Config, RMSNorm
+from models.layers import Linear, PlainRMSNorm
+from models.qwen3 import Qwen3Config
+from models.qwen3_5 import GatedDeltaNet, GatedRMSNorm, Qwen3_5Config, RMSNorm
 
 INIT_STD = 0.02
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")  # residual-stream writers, scaled down with depth

@@ -34,8 +34,9 @@ import optax
 from flax import nnx
 
 from models.dflash import DFlashDraft
+from models.layers import KVCache
 from models.qwen3 import Qwen3Model
-from models.qwen3_5 import KVCache, Qwen3_5Model, init_mtp_cache
+from models.qwen3_5 import Qwen3_5Model, init_mtp_cache
 from spec_jax.training import export
 from spec_jax.training.corpus import EOS, KINDS, MASK, Corpus, build_corpus, load_corpus
 from spec_jax.training.data import Windows, full_batch, greedy_continue, heldout_windows

@@ -7,7 +7,7 @@ loading it again restores the arrays (already mapped, stacked and cast) instead 
 DIR holds `params/` (Orbax), the source's config.json, generation_config.json and
 tokenizer.json, and `spec_jax.json` saying how it was made, including which Linears are
 quantized: those a quantized source (FP8, NVFP4) kept quantized, and with --quantization every
-float projection (`loading.quantized.QUANTIZED_PROJECTIONS`), quantized with quant_matmul.quantize.
+float projection (`loading.quantized.QUANTIZED_PROJECTIONS`), quantized with quant_formats.quantize.
 `spec_jax.loading.orbax` reads it back.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from pallas_kernels.quant_matmul import FORMATS
+from pallas_kernels.quant_formats import FORMATS
 from spec_jax.loading import load_model
 from spec_jax.loading.gguf import find_gguf, gguf_tokenizer
 from spec_jax.loading.orbax import MARKER, NVFP4_BITS, file_sizes

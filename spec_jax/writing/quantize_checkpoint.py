@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from pallas_kernels.quant_matmul import GROUP, nvfp4_to_modelopt, quantize
+from pallas_kernels.quant_formats import GROUP, nvfp4_to_modelopt, quantize
 from spec_jax.loading.quantized import QUANTIZED_PROJECTIONS
 from spec_jax.loading.source import TensorSource, read_json
 

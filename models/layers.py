@@ -1,0 +1,283 @@
+"""Layers and helpers every model in `models/` shares: `Linear` (float or weight-only quantized,
+[out, in] as checkpoints store it), RMSNorm without the (1 + w) offset, the SwiGLU MLP, rotary
+embeddings, attention over a masked or cached context, the `Batch` of new tokens and the
+`KVCache`, and the layer stacking tools (`scan_layers`, `unstack_layers`, `fuse_linears`).
+
+Shapes: B batch rows, T new tokens, L cache length, H hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.quant_formats import QuantizedWeight, quantize
+from pallas_kernels.quant_matmul import quant_matmul
+
+
+def expect_json(key: str, value, kind: type):
+    """value, unless it is present and not of the JSON kind (object, array, boolean) the key holds:
+    then ValueError naming the key."""
+    if value is not None and not isinstance(value, kind):
+        names = {dict: "an object", list: "a list", bool: "true or false"}
+        raise ValueError(f"{key}={value!r} must be {names[kind]}")
+    return value
+
+
+def check_head_groups(cfg, heads: str, groups: str) -> None:
+    """ValueError unless the config field `heads` is a multiple of the field `groups` (GQA-style
+    sharing: each group serves heads // groups heads)."""
+    if getattr(cfg, heads) % getattr(cfg, groups):
+        raise ValueError(f"{heads} ({getattr(cfg, heads)}) must be a multiple of {groups} ({getattr(cfg, groups)})")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of one pattern position's attention layers: [G, B, L, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    """Where the T new tokens of each row go.
+
+    start: [B] int32 position of the first new token (= tokens already in the caches).
+    n_valid: [B] int32 how many of the T tokens are real; the rest are padding, whose cache
+      writes land past the row's length (never read) and leave GDN state unchanged.
+    """
+
+    start: jax.Array
+    n_valid: jax.Array
+
+    def positions_for(self, T: int) -> jax.Array:
+        return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+    def valid_for(self, T: int) -> jax.Array:
+        return jnp.arange(T, dtype=jnp.int32)[None, :] < self.n_valid[:, None]
+
+
+def zeros_param(shape, dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def scan_layers(body, init, xs):
+    """`lax.scan(body, init, xs)` over stacked layers, rolled: compile time does not grow with
+    depth. The engine's decode layout runs the layers unstacked and unrolled instead
+    (`unstack_layers`), because inside the decode loop XLA copies every weight it slices out of a
+    stack before the matmul that reads it."""
+    return jax.lax.scan(body, init, xs)
+
+
+def unstack_layers(owner: nnx.Module, name: str) -> nnx.List:
+    """Take the modules `owner.<name>`, whose parameters are stacked over G repeats [G, ...], out
+    of `owner` (the attribute becomes None) and return them as G nnx.Lists of the same modules,
+    each repeat's parameters arrays of their own.
+
+    Inside the decode `while_loop` XLA copies a weight sliced out of a stack before the matmul
+    that reads it, every step, even when the slice is static; a weight that is a whole array is
+    read in place. This function holds the only reference to the stacks and drops each one once
+    sliced, so the peak is the model plus one parameter (when nothing else holds the stacks).
+    """
+    gdef, state = nnx.split(getattr(owner, name))
+    setattr(owner, name, None)
+    leaves, treedef = jax.tree.flatten(state)
+    del state
+    G = leaves[0].shape[0]
+    groups = [[] for _ in range(G)]
+    for i in range(len(leaves)):
+        whole, leaves[i] = leaves[i], None
+        for g in range(G):
+            groups[g].append(whole[g])
+        del whole
+    return nnx.List([nnx.merge(gdef, jax.tree.unflatten(treedef, leaves_g)) for leaves_g in groups])
+
+
+# A quantized Linear's scale and global-scale variables, named as the checkpoints carrying each
+# format name their tensors (Qwen's FP8: weight_scale_inv; ModelOpt NVFP4: weight_scale, weight_scale_2).
+SCALE_NAMES = {"int8": ("weight_scale", None), "fp8": ("weight_scale", None),
+               "fp8_block": ("weight_scale_inv", None), "nvfp4": ("weight_scale", "weight_scale_2")}
+
+
+class Linear(nnx.Module):
+    """y = x W^T with W stored [out, in] as in the checkpoint (no bias anywhere in these models).
+
+    After `quantize_linear`, `weight` holds a `QuantizedWeight`'s codes, its scales sit beside it
+    under `SCALE_NAMES[format]`, and the product runs through the quantized-matmul dispatcher
+    (the Pallas kernel on a GPU).
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, stack=(), dtype=jnp.float32):
+        self.weight = zeros_param((*stack, d_out, d_in), dtype)
+        self.format = None  # static: None (float weight) or a quant_matmul format
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.format is not None:
+            return quant_matmul(x, self.quantized())
+        w = self.weight[...]
+        return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+
+    def quantized(self) -> QuantizedWeight:
+        scale, global_scale = SCALE_NAMES[self.format]
+        g = getattr(self, global_scale)[...] if global_scale else None
+        return QuantizedWeight(self.weight[...], getattr(self, scale)[...], g, self.format)
+
+    @classmethod
+    def of(cls, weight: jax.Array) -> "Linear":
+        """A float Linear holding `weight` [out, in] (no zeros allocated first)."""
+        linear = nnx.eval_shape(lambda: cls(weight.shape[-1], weight.shape[-2], dtype=weight.dtype))
+        linear.weight = nnx.Param(weight)
+        return linear
+
+
+def fuse_linears(module: nnx.Module, names: tuple[str, ...]) -> None:
+    """Join the float Linears `names` of `module`, which read the same input, into one Linear
+    `module.fused` whose weight is theirs stacked by rows, and drop them; `project` then runs one
+    matmul where there were len(names). At decode sizes each matmul is a pass over its weight, and
+    one long pass runs nearer the HBM ceiling than several short ones (BENCHMARKS.md). Quantized
+    Linears stay apart: their scales do not concatenate in every format. In place; repeatable."""
+    parts = [getattr(module, n) for n in names]
+    if any(p is None or p.format is not None for p in parts):
+        return
+    module.fused = Linear.of(jnp.concatenate([p.weight[...] for p in parts], axis=0))
+    module.fused_sizes = tuple(p.weight.shape[0] for p in parts)
+    for n in names:
+        setattr(module, n, None)
+
+
+def project(module: nnx.Module, names: tuple[str, ...], x: jax.Array) -> tuple[jax.Array, ...]:
+    """The outputs of `module`'s Linears `names` on x [..., in]: one matmul split by columns when
+    `fuse_linears` joined them, else one matmul each."""
+    fused = getattr(module, "fused", None)
+    if fused is None:
+        return tuple(getattr(module, n)(x) for n in names)
+    ends = list(itertools.accumulate(module.fused_sizes))
+    return tuple(jnp.split(fused(x), ends[:-1], axis=-1))
+
+
+def quantize_linear(linear: Linear, fmt: str) -> None:
+    """Quantize a float Linear in place: its weight [*stack, N, K] becomes `fmt` codes and scales,
+    per stacked layer. Under `nnx.eval_shape` this only sets the shapes a loader fills."""
+    q = functools.partial(quantize, fmt=fmt)
+    for _ in range(linear.weight[...].ndim - 2):
+        q = jax.vmap(q)
+    qw = jax.jit(q)(linear.weight[...])  # one compiled program per shape, not one per op
+    scale, global_scale = SCALE_NAMES[fmt]
+    linear.weight = nnx.Param(qw.data)
+    setattr(linear, scale, nnx.Param(qw.scale))
+    if global_scale:
+        setattr(linear, global_scale, nnx.Param(qw.global_scale))
+    linear.format = fmt
+
+
+def quantize_linears(model: nnx.Module, formats: dict[tuple, str]) -> nnx.Module:
+    """Quantize the Linears at the given module paths (`nnx.iter_modules` keys) to their formats.
+    Returns `model`; raises ValueError for a path that is not a float Linear."""
+    linears = {path: m for path, m in nnx.iter_modules(model) if isinstance(m, Linear) and m.format is None}
+    for path, fmt in formats.items():
+        if path not in linears:
+            raise ValueError(f"{'.'.join(map(str, path))} is not a float Linear of this model")
+        quantize_linear(linears[path], fmt)
+    return model
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """NeoX rotate-half RoPE on the first `rotary_dim` dims of each head. x: [B, T, heads, d]."""
+    half = rotary_dim // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    xr = x[..., :rotary_dim].astype(jnp.float32)
+    x1, x2 = xr[..., :half], xr[..., half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
+
+
+# Queries attended at once: the scores of a long prompt ([T, S] per head, float32) would not fit
+# (a 16k-token prompt at 27B asks for 24 GiB), so longer ones run in blocks of this many rows.
+QUERY_BLOCK = 1024
+
+
+def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """GQA attention with an explicit mask. q: [B, T, nq, d]; k, v: [B, S, nkv, d]; visible:
+    [B, T, S] bool. Returns [B, T, nq, d]. Past QUERY_BLOCK queries, block by block (each query's
+    softmax is its own, so the result is the same)."""
+    B, T = q.shape[:2]
+    if T <= QUERY_BLOCK or T % QUERY_BLOCK:
+        return attend_block(q, k, v, visible)
+    n = T // QUERY_BLOCK
+    blocks = lambda x: jnp.moveaxis(x.reshape(B, n, QUERY_BLOCK, *x.shape[2:]), 1, 0)  # noqa: E731
+    out = jax.lax.map(lambda qv: attend_block(qv[0], k, v, qv[1]), (blocks(q), blocks(visible)))
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+
+
+def attend_block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """`attend_masked` over all queries at once."""
+    B, T, nq, d = q.shape
+    nkv = k.shape[2]
+    qg = q.reshape(B, T, nkv, nq // nkv, d)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d**-0.5
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
+    return out.reshape(B, T, nq, d)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """Causal GQA attention of new queries over a cache: q [B, T, nq, d]; k, v [B, S, nkv, d]
+    (cache slots 0..S-1); q_pos [B, T]. Slot j is visible to a query at position p iff j <= p."""
+    return attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])
+
+
+def cached_attention(q, k, v, positions, cache: KVCache, g, kv_len: int):
+    """Write repeat g's new K/V (k, v [B, T, kv, d] at positions [B, T]) into the stacked cache
+    [G, B, L, kv, d], then attend q [B, T, nq, d] causally over slots [0, kv_len).
+    Returns (o [B, T, nq, d], cache)."""
+    rows = jnp.arange(q.shape[0])[:, None]
+    # Padding tokens may point past the cache end: drop those writes (the rest land past the
+    # row's length, where nothing reads them before real tokens overwrite them).
+    cache = KVCache(
+        cache.k.at[g, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
+        cache.v.at[g, rows, positions].set(v.astype(cache.v.dtype), mode="drop"),
+    )
+    keys = jax.lax.dynamic_index_in_dim(cache.k, g, keepdims=False)[:, :kv_len]
+    values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
+    return attend(q, keys, values, positions), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    PROJECTIONS = ("gate_proj", "up_proj")
+
+    def __init__(self, hidden: int, inner: int, *, stack=(), dtype=jnp.float32):
+        self.gate_proj = Linear(hidden, inner, stack=stack, dtype=dtype)
+        self.up_proj = Linear(hidden, inner, stack=stack, dtype=dtype)
+        self.down_proj = Linear(inner, hidden, stack=stack, dtype=dtype)
+
+    def __call__(self, x):
+        gate, up = project(self, self.PROJECTIONS, x)
+        return self.down_proj(jax.nn.silu(gate) * up)
+
+
+class PlainRMSNorm(nnx.Module):
+    """Standard RMSNorm: x * rsqrt(mean(x^2) + eps) * w, weight kept and applied in float32.
+
+    (Qwen3.5's `RMSNorm` is zero-centred, (1 + w); Qwen3's is not.)"""
+
+    def __init__(self, dim: int, eps: float, *, stack=()):
+        self.weight = nnx.Param(jnp.ones((*stack, dim), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...]).astype(x.dtype)

@@ -1,0 +1,71 @@
+"""Which proposer each speculative method runs, built from a parsed speculative config (vLLM's
+field names: `method`, `num_speculative_tokens`, `prompt_lookup_min/max`, ...) and the method's
+drafter network, if it has one. Loading that network from a checkpoint is
+`spec_jax.loading.drafters.load_draft`'s job; here only its config is read.
+
+    proposer = build_proposer(spec, vocab_size, cache_len, draft)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from proposers.dflash import DFlashProposer
+from proposers.draft_model import DraftModelProposer
+from proposers.dspark import DSparkProposer
+from proposers.eagle3 import Eagle3Proposer
+from proposers.mtp import DraftVocabHead, MTPProposer
+from proposers.ngram import NgramProposer
+from proposers.oracle import OracleProposer, OracleTokens, SyntheticAcceptance
+
+
+def _block_drafter(spec, k: int, draft) -> DFlashProposer:
+    """DFlash drafts block_size - 1 tokens; DSpark at least block_size (a shorter block drafts wrong tokens)."""
+    d = draft.cfg
+    if d.method != spec.method:
+        raise ValueError(f"{spec.model!r} is a {d.method} drafter, not {spec.method}; set method to {d.method!r}")
+    scales = (d.input_embedding_scale, d.output_multiplier, d.final_logit_softcapping)
+    if spec.method == "dflash":
+        if k != d.block_size - 1:
+            raise ValueError(f"num_speculative_tokens={k} but the DFlash drafter {spec.model!r} drafts "
+                             f"block_size - 1 = {d.block_size - 1} tokens per block; set num_speculative_tokens "
+                             f"to {d.block_size - 1}")
+        return DFlashProposer(k, d.target_layer_ids, d.mask_token_id, *scales)
+    if k < d.block_size:
+        raise ValueError(f"num_speculative_tokens={k} is below the DSpark drafter's block_size {d.block_size}; "
+                         f"a shorter block drafts wrong tokens, so set it to at least {d.block_size}")
+    return DSparkProposer(k, d.target_layer_ids, d.mask_token_id, *scales, sample_from_anchor=d.sample_from_anchor)
+
+
+# method -> (spec, k, draft network, vocab_size, cache_len) -> proposer
+BUILDERS: dict[str, Callable[..., Any]] = {
+    "ngram": lambda spec, k, draft, V, L: NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max),
+    "mtp": lambda spec, k, draft, V, L: MTPProposer(k),
+    "draft_model": lambda spec, k, draft, V, L: DraftModelProposer(k, L),
+    "eagle3": lambda spec, k, draft, V, L: Eagle3Proposer(k, draft.cfg.target_layer_ids),
+    "dflash": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
+    "dspark": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
+    "oracle": lambda spec, k, draft, V, L: OracleProposer(k, spec.oracle_corruption_rate, V),
+}
+
+
+def build_proposer(spec, vocab_size: int, cache_len: int, draft=None):
+    """The proposer for a parsed speculative config. `draft` is the method's network (loaded, or
+    made by `target_drafter`). An `oracle_corruption_rate` on another method wraps it in
+    `OracleTokens`, synthetic rejection in `SyntheticAcceptance` (both for benchmarks)."""
+    if spec.method not in BUILDERS:
+        raise ValueError(f"speculative method {spec.method!r} has no proposer; built: {', '.join(BUILDERS)}")
+    proposer = BUILDERS[spec.method](spec, spec.num_speculative_tokens, draft, vocab_size, cache_len)
+    if spec.method != "oracle" and spec.oracle_corruption_rate is not None:
+        proposer = OracleTokens(proposer, OracleProposer(proposer.k, spec.oracle_corruption_rate, vocab_size))
+    if spec.rejection_sample_method == "synthetic":
+        proposer = SyntheticAcceptance(proposer, spec.synthetic_conditional_rates())
+    return proposer
+
+
+def target_drafter(spec, model):
+    """A drafter network cut from the target itself, for methods that have one: MTP with a
+    reduced draft vocabulary (`DraftVocabHead`); else None."""
+    if spec.method == "mtp" and spec.draft_vocab_size is not None:
+        return DraftVocabHead(model, spec.draft_vocab_size)
+    return None

@@ -1,0 +1,96 @@
+"""A batch of requests as the engine's inputs: prompts right-padded to the engine's buckets,
+each row's token budget and stop ids, its sampling parameters and PRNG key, and what the
+proposer needs at prefill (synthetic rates, or the oracle's reference continuation).
+`LLM.start_batch` and the server's scheduler both start batches through here."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from proposers.oracle import OracleProposer, OracleTokens, SyntheticAcceptance
+from spec_jax.engine.sampling import RowSampling
+from spec_jax.engine.steps import Engine
+
+
+def seed_key(seed: int) -> jax.Array:
+    """A PRNG key from all 64 bits of a seed (`jax.random.key` keeps only the low 32 without x64,
+    so 0 and 2**62 would draw alike)."""
+    seed &= 2**64 - 1
+    key = jax.random.key(seed & 0xFFFFFFFF)
+    return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key
+
+
+@dataclasses.dataclass
+class AssembledBatch:
+    """B bucket rows, the first n real: tokens [B, T] int32 right-padded, lengths [B],
+    max_lengths [B] (prompt + budget, capped at max_model_len), stop_ids [B, S] (-1 padded),
+    sampling (`RowSampling`), done [B] (padding rows), speculate [B]; stops: each real row's
+    stop ids; do_sample: whether any row samples."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    max_lengths: np.ndarray
+    stop_ids: np.ndarray
+    sampling: RowSampling
+    done: np.ndarray
+    speculate: np.ndarray
+    stops: list[list[int]]
+    do_sample: bool
+
+    def inputs(self) -> list:
+        """The engine's prefill arguments before (speculate, reference, do_sample)."""
+        return [jnp.asarray(x) for x in (self.tokens, self.lengths, self.max_lengths, self.stop_ids)] + [
+            self.sampling, jnp.asarray(self.done)]
+
+
+def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequence[int], *, rows: int,
+                   prompt_len: int, max_model_len: int, eos: Sequence[int],
+                   stop_width: int | None = None) -> AssembledBatch:
+    """n = len(ids) checked prompts with their `SamplingParams` and seeds into `rows` >= n
+    bucket rows of `prompt_len` >= the longest prompt. stop_width fixes the stop_ids columns
+    (default: the most stop ids any row has)."""
+    n, B = len(ids), rows
+    tokens = np.zeros((B, prompt_len), np.int32)
+    lengths = np.ones((B,), np.int32)
+    max_lengths = np.full((B,), 2, np.int32)
+    stops = [list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(eos)) for p in params]
+    stop_ids = np.full((B, stop_width or max(1, max(len(s) for s in stops))), -1, np.int32)
+    for i, (x, p, st) in enumerate(zip(ids, params, stops)):
+        tokens[i, :len(x)] = x
+        lengths[i] = len(x)
+        budget = p.max_tokens if p.max_tokens is not None else max_model_len
+        max_lengths[i] = min(len(x) + budget, max_model_len)
+        stop_ids[i, :len(st)] = st
+    speculate = np.zeros((B,), bool)
+    speculate[:n] = [p.speculative for p in params]
+    pad = lambda values, fill, dtype: np.asarray(list(values) + [fill] * (B - n), dtype)  # noqa: E731
+    temperature = pad((p.temperature for p in params), 0.0, np.float32)
+    keys = jax.random.split(jax.random.key(0), B)
+    keys = keys.at[:n].set(jnp.stack([seed_key(s) for s in seeds]))
+    sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(pad((max(p.top_k, 0) for p in params), 0, np.int32)),
+                           jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys)
+    return AssembledBatch(tokens, lengths, max_lengths, stop_ids, sampling, np.arange(B) >= n, speculate, stops,
+                          bool((temperature > 0).any()))
+
+
+def proposer_reference(engine: Engine, batch: AssembledBatch, plain: Callable[[], Engine], do_sample: bool):
+    """What the engine's proposer reads at prefill, or None: synthetic acceptance's rates
+    [B, k], or for the oracle the target's own continuation of each row (a plain run on
+    `plain()`, an engine on the same weights), as far as any draft can reach."""
+    proposer = engine.plan.proposer if engine.plan else None
+    if isinstance(proposer, SyntheticAcceptance):
+        return jnp.asarray(proposer.reference(len(batch.lengths)))
+    if not isinstance(proposer, (OracleProposer, OracleTokens)):
+        return None
+    tokens, lengths, max_lengths, stop_ids, sampling, done = batch.inputs()
+    # As far as any draft of the speculative run can reach: its last step drafts k past its limit.
+    reach = jnp.minimum(max_lengths + engine.plan.k, engine.max_model_len)
+    runner = plain()
+    state = runner.prefill(tokens, lengths, reach, jnp.full_like(stop_ids, -1), sampling, done, jnp.zeros_like(done),
+                           None, do_sample)
+    return runner.decode(state, engine.max_model_len, do_sample).tokens
