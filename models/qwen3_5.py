@@ -27,6 +27,7 @@ from flax import nnx
 
 from models.layers import (MLP, Batch, KVCache, Linear, apply_rope, cached_attention, check_head_groups, expect_json,
                            fuse_linears, project, scan_layers, unstack_layers, zeros_param)
+from pallas_kernels.expert_matmul import expert_swiglu
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
 
@@ -418,25 +419,8 @@ class Experts(nnx.Module):
         self.down_proj = zeros_param((*stack, E, H, I), dtype)
 
     def __call__(self, x: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
-        """x: [N, H]; idx, weights: [N, k] chosen experts and their routing weights."""
-        N, k = idx.shape
-        if N * k <= 64:
-            # Decode-sized: gather just the chosen experts' weights.
-            gu = jnp.einsum("nh,nkoh->nko", x, self.gate_up_proj[...][idx])
-            inner = jax.nn.silu(gu[..., : gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2 :]
-            out = jnp.einsum("nki,nkhi->nkh", inner, self.down_proj[...][idx])
-            return jnp.einsum("nkh,nk->nh", out, weights.astype(out.dtype))
-        # Prefill-sized: sort (token, expert) pairs by expert and run grouped matmuls.
-        E = self.gate_up_proj.shape[0]
-        flat = idx.reshape(-1)
-        order = jnp.argsort(flat)
-        tokens = x[order // k]
-        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-        gu = jax.lax.ragged_dot(tokens, jnp.swapaxes(self.gate_up_proj[...], 1, 2), sizes)
-        inner = jax.nn.silu(gu[:, : gu.shape[-1] // 2]) * gu[:, gu.shape[-1] // 2 :]
-        out = jax.lax.ragged_dot(inner, jnp.swapaxes(self.down_proj[...], 1, 2), sizes)
-        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
-        return jnp.zeros_like(x).at[order // k].add(out)
+        """x: [N, H]; idx, weights: [N, k] chosen experts and their routing weights -> [N, H]."""
+        return expert_swiglu(x, self.gate_up_proj[...], self.down_proj[...], idx, weights)
 
 
 class SparseMoE(nnx.Module):

@@ -1,0 +1,161 @@
+"""A token's chosen experts, multiplied in place: the routed-expert SwiGLU for decode and verify.
+
+For P = N x k (token, expert) pairs with expert ids e[p] and routing weights r[p]:
+    h[p] = silu(x[p // k] @ G[e[p]]^T) * (x[p // k] @ U[e[p]]^T)      gate_up [E, 2I, H]
+    y[p] = r[p] * (h[p] @ D[e[p]]^T)                                   down [E, H, I]
+and the caller sums y over each token's k pairs.
+
+Indexing the stacked weights by the expert ids in XLA (`w[ids]`) gathers the chosen experts into a
+new array before the dot, so each of their bytes is read, written and read again. The kernels
+here read an expert's rows straight from the stack: one program per (pair, block of BN output
+channels) loads the expert id, then streams its [BN, BK] weight tiles against the pair's input
+row in float32 (a GEMV: decode moves weights, not FLOPs). The SwiGLU between the two products is
+applied as the down kernel loads its input, and the routing weight as it stores its output.
+
+`expert_swiglu` is the dispatcher the model calls. Up to `KERNEL_MAX_PAIRS` pairs (decode and
+verify): the kernels on a GPU, the gathering reference elsewhere. Past it (prefill) pairs repeat
+experts often enough that `expert_swiglu_grouped`, a grouped matmul over the pairs sorted by
+expert, reads less: each expert once.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+
+def expert_swiglu_reference(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array,
+                            weights: jax.Array) -> jax.Array:
+    """Routed experts by gathering the chosen experts' weights.
+
+    Args:
+      x: [N, H] tokens. gate_up: [E, 2I, H] (gate rows first). down: [E, H, I].
+      ids: [N, k] int32 chosen experts. weights: [N, k] their routing weights.
+    Returns:
+      [N, H] in x's dtype: the weighted sum of each token's k expert outputs.
+    """
+    gu = jnp.einsum("nh,nkoh->nko", x, gate_up[ids])
+    half = gu.shape[-1] // 2
+    inner = jax.nn.silu(gu[..., :half]) * gu[..., half:]
+    out = jnp.einsum("nki,nkhi->nkh", inner, down[ids])
+    return jnp.einsum("nkh,nk->nh", out, weights.astype(out.dtype))
+
+
+def expert_swiglu_grouped(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array,
+                          weights: jax.Array) -> jax.Array:
+    """Routed experts as grouped matmuls over the (token, expert) pairs sorted by expert; same
+    arguments and result as `expert_swiglu_reference`."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat)
+    tokens = x[order // k]
+    sizes = jnp.bincount(flat, length=gate_up.shape[0]).astype(jnp.int32)
+    gu = jax.lax.ragged_dot(tokens, jnp.swapaxes(gate_up, 1, 2), sizes)
+    half = gu.shape[-1] // 2
+    inner = jax.nn.silu(gu[:, :half]) * gu[:, half:]
+    out = jax.lax.ragged_dot(inner, jnp.swapaxes(down, 1, 2), sizes)
+    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+    return jnp.zeros_like(x).at[order // k].add(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Output channels per program (block_n) and the K tile each loop step streams (block_k)."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+
+    def fits(self, n: int, k: int) -> bool:
+        """Blocks must divide the weight (Triton loads power-of-two blocks only)."""
+        return n % self.block_n == 0 and k % min(self.block_k, k) == 0
+
+
+def _gate_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, k: int, bn: int, bk: int, k_steps: int):
+    """Pair p, output block j: o[p, j*bn:(j+1)*bn] = x[p // k] @ w[ids[p], block]^T."""
+    p, j = pl.program_id(0), pl.program_id(1)
+    e, row = ids_ref[p], p // k
+
+    def body(i, acc):
+        w = w_ref[e, pl.ds(j * bn, bn), pl.ds(i * bk, bk)].astype(jnp.float32)
+        x = x_ref[row, pl.ds(i * bk, bk)].astype(jnp.float32)
+        return acc + jnp.sum(w * x[None, :], axis=1)
+
+    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bn,), jnp.float32))
+    o_ref[p, pl.ds(j * bn, bn)] = acc
+
+
+def _down_kernel(ids_ref, r_ref, gu_ref, w_ref, o_ref, *, half: int, bn: int, bk: int, k_steps: int):
+    """Pair p, output block j: o[p, block] = r[p] * (silu(gate[p]) * up[p]) @ w[ids[p], block]^T."""
+    p, j = pl.program_id(0), pl.program_id(1)
+    e = ids_ref[p]
+
+    def body(i, acc):
+        gate = gu_ref[p, pl.ds(i * bk, bk)]
+        up = gu_ref[p, pl.ds(half + i * bk, bk)]
+        h = gate * jax.nn.sigmoid(gate) * up
+        w = w_ref[e, pl.ds(j * bn, bn), pl.ds(i * bk, bk)].astype(jnp.float32)
+        return acc + jnp.sum(w * h[None, :], axis=1)
+
+    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bn,), jnp.float32))
+    o_ref[p, pl.ds(j * bn, bn)] = (acc * r_ref[p]).astype(o_ref.dtype)
+
+
+def _whole(shape) -> pl.BlockSpec:
+    """The whole array as one block: in the Triton backend a pointer the kernel indexes itself."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+def expert_swiglu_pallas(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array, weights: jax.Array,
+                         *, tiling: Tiling = Tiling(), interpret: bool = False) -> jax.Array:
+    """The kernels; same arguments and result as `expert_swiglu_reference`."""
+    N, k = ids.shape
+    two_i, H = gate_up.shape[1:]
+    inner = down.shape[2]
+    P = N * k
+    flat_ids = ids.reshape(P).astype(jnp.int32)
+    params = plt.CompilerParams(num_warps=tiling.num_warps, num_stages=1)
+    bk_h, bk_i = min(tiling.block_k, H), min(tiling.block_k, inner)
+    gu = pl.pallas_call(
+        functools.partial(_gate_up_kernel, k=k, bn=tiling.block_n, bk=bk_h, k_steps=H // bk_h),
+        out_shape=jax.ShapeDtypeStruct((P, two_i), jnp.float32),
+        grid=(P, two_i // tiling.block_n),
+        in_specs=[_whole((P,)), _whole(x.shape), _whole(gate_up.shape)],
+        out_specs=_whole((P, two_i)),
+        compiler_params=params, interpret=interpret, name="expert_gate_up",
+    )(flat_ids, x, gate_up)
+    out = pl.pallas_call(
+        functools.partial(_down_kernel, half=inner, bn=tiling.block_n, bk=bk_i, k_steps=inner // bk_i),
+        out_shape=jax.ShapeDtypeStruct((P, H), jnp.float32),
+        grid=(P, H // tiling.block_n),
+        in_specs=[_whole((P,)), _whole((P,)), _whole(gu.shape), _whole(down.shape)],
+        out_specs=_whole((P, H)),
+        compiler_params=params, interpret=interpret, name="expert_down",
+    )(flat_ids, weights.reshape(P).astype(jnp.float32), gu, down)
+    return out.reshape(N, k, H).sum(axis=1).astype(x.dtype)
+
+
+# Decode and verify sizes: batch 8 decode is 64 pairs at k = 8.
+KERNEL_MAX_PAIRS = 64
+
+
+def kernel_fits(gate_up: jax.Array, down: jax.Array, tiling: Tiling = Tiling()) -> bool:
+    """Shapes the Triton kernels take: power-of-two sizes their blocks divide."""
+    two_i, H = gate_up.shape[1:]
+    inner = down.shape[2]
+    powers = all(n & (n - 1) == 0 for n in (two_i, H, inner))
+    return powers and tiling.fits(two_i, H) and tiling.fits(H, inner)
+
+
+def expert_swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array,
+                  weights: jax.Array) -> jax.Array:
+    """Dispatcher for routed experts (see `expert_swiglu_reference` for the shapes)."""
+    if ids.size > KERNEL_MAX_PAIRS:
+        return expert_swiglu_grouped(x, gate_up, down, ids, weights)
+    if jax.default_backend() == "gpu" and kernel_fits(gate_up, down):
+        return expert_swiglu_pallas(x, gate_up, down, ids, weights)
+    return expert_swiglu_reference(x, gate_up, down, ids, weights)
