@@ -1,10 +1,12 @@
 """The MTP head, loaded from `mtp.*`, against HF's own decoder-layer modules fed the same weights;
 its reduced draft vocabulary."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import HF_FIXTURES, assert_greedy_equals_plain
+from flax import nnx
 
 from models.layers import Batch
 from models.qwen3_5 import init_cache, init_mtp_cache
@@ -14,14 +16,22 @@ from spec_jax.loading import load_model
 
 
 def mtp_logits(model, ids: np.ndarray) -> np.ndarray:
-    """Draft row p: token ids[p+1] at position p with the target's post-norm hidden at p."""
+    """Draft row p: token ids[p+1] at position p with the target's post-norm hidden at p. One jitted
+    program: eagerly, every op of both networks is compiled and dispatched on its own."""
     T = len(ids)
-    tokens = jnp.asarray(ids, jnp.int32)[None]
-    hidden, _ = model(tokens, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([T])),
-                      init_cache(model.cfg, 1, T, jnp.float32), kv_len=T)
-    h, _ = model.mtp(model.embed(tokens[:, 1:]), hidden[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([T - 1])),
-                     init_mtp_cache(model.cfg, 1, T, jnp.float32), kv_len=T - 1)
-    return np.asarray(model.logits(h)[0])
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def forward(params, tokens):
+        model = nnx.merge(graphdef, params)
+        hidden = model(tokens, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([T])),
+                       init_cache(model.cfg, 1, T, jnp.float32), kv_len=T).hidden
+        h, _ = model.mtp(model.embed(tokens[:, 1:]), hidden[:, :-1],
+                         Batch(jnp.zeros(1, jnp.int32), jnp.asarray([T - 1])),
+                         init_mtp_cache(model.cfg, 1, T, jnp.float32), kv_len=T - 1)
+        return model.logits(h)[0]
+
+    return np.asarray(forward(params, jnp.asarray(ids, jnp.int32)[None]))
 
 
 @pytest.mark.parametrize("case", ["dense_vl", "dense_text", "moe_vl", "moe_text"])
