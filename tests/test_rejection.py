@@ -94,6 +94,9 @@ def test_greedy_rows_take_the_longest_matching_prefix():
     assert np.asarray(emitted[0]).tolist() == argmax.tolist()
 
 
+N_REQUESTS = 2048  # per side of the two-sample test
+
+
 def second_tokens(model_dir, spec, seeds, temperature=1.0):
     llm = LLM(model=str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=64, speculative_config=spec)
     params = [SamplingParams(max_tokens=2, temperature=temperature, seed=int(s), ignore_eos=True) for s in seeds]
@@ -101,17 +104,25 @@ def second_tokens(model_dir, spec, seeds, temperature=1.0):
     return np.asarray([o.outputs[0].token_ids for o in outs])
 
 
+@pytest.fixture(scope="module")
+def plain_two_tokens(echo_dir) -> np.ndarray:
+    """The plain side of the two-sample test: the same draw for every speculative config, as it
+    does not depend on one, so it is sampled once."""
+    return second_tokens(echo_dir, None, range(N_REQUESTS))
+
+
+@pytest.mark.xdist_group("plain_two_tokens")  # one worker samples the plain side once for all three
 @pytest.mark.parametrize("draft_sample_method,draft_vocab_size",
                          [("greedy", None), ("probabilistic", None), ("probabilistic", 24)])
-def test_end_to_end_first_speculative_token_matches_plain(echo_dir, draft_sample_method, draft_vocab_size):
+def test_end_to_end_first_speculative_token_matches_plain(echo_dir, plain_two_tokens, draft_sample_method,
+                                                          draft_vocab_size):
     """Two tokens per request: the first comes from prefill, the second from one speculative step
     (or one plain step). Their joint distributions must agree (two-sample chi-square), also when
     the MTP head drafts from a reduced vocabulary (its q is zero past it)."""
-    n = 2048
     spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": draft_sample_method,
             "draft_vocab_size": draft_vocab_size}
-    plain = second_tokens(echo_dir, None, range(n))
-    spec_on = second_tokens(echo_dir, spec, range(n, 2 * n))
+    plain = plain_two_tokens
+    spec_on = second_tokens(echo_dir, spec, range(N_REQUESTS, 2 * N_REQUESTS))
     joint = lambda t: t[:, 0] * 64 + t[:, 1]
     keys = np.union1d(joint(plain), joint(spec_on))
     table = np.stack([[np.sum(joint(t) == key) for key in keys] for t in (plain, spec_on)])
