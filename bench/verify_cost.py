@@ -52,7 +52,7 @@ def make_forward(gdef, kv_len: int):
         m = nnx.merge(gdef, params)
         batch = Batch(start, jnp.full_like(start, tokens.shape[1]))
         out = m(tokens, batch, cache, kv_len=kv_len, rollback=rollback)
-        hidden, cache = out[0], out[1]
+        hidden, cache = out.hidden, out.cache
         if rollback is not None:
             cache = m.commit(cache, out[2], jnp.full_like(start, tokens.shape[1] // 2 + 1))
         return (m.logits(hidden) if with_logits else hidden), cache

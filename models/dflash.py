@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import MLP, KVCache, Linear, PlainRMSNorm, apply_rope, attend_masked, scan_layers, unstack_layers
+from models.layers import MLP, Attention, KVCache, Linear, PlainRMSNorm, attend_masked, scan_layers, unstack_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,36 +126,22 @@ class DFlashLayer(nnx.Module):
     """A Qwen3 decoder layer whose attention also reads the context's K/V, bidirectionally."""
 
     def __init__(self, cfg: DFlashConfig, *, stack=(), dtype=jnp.float32):
-        H, d = cfg.hidden_size, cfg.head_dim
-        self.cfg = cfg
+        H = cfg.hidden_size
         self.input_layernorm = PlainRMSNorm(H, cfg.rms_norm_eps, stack=stack)
         self.post_attention_layernorm = PlainRMSNorm(H, cfg.rms_norm_eps, stack=stack)
-        self.q_proj = Linear(H, cfg.num_attention_heads * d, stack=stack, dtype=dtype)
-        self.k_proj = Linear(H, cfg.num_key_value_heads * d, stack=stack, dtype=dtype)
-        self.v_proj = Linear(H, cfg.num_key_value_heads * d, stack=stack, dtype=dtype)
-        self.o_proj = Linear(cfg.num_attention_heads * d, H, stack=stack, dtype=dtype)
-        self.q_norm = PlainRMSNorm(d, cfg.rms_norm_eps, stack=stack)
-        self.k_norm = PlainRMSNorm(d, cfg.rms_norm_eps, stack=stack)
+        self.self_attn = Attention(H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   rope_theta=cfg.rope_theta, qk_norm=PlainRMSNorm, eps=cfg.rms_norm_eps, stack=stack,
+                                   dtype=dtype)
         self.mlp = MLP(H, cfg.intermediate_size, stack=stack, dtype=dtype)
-
-    def keys_values(self, x, positions):
-        """x [B, T, H] -> roped, normed keys and values [B, T, kv, d]."""
-        B, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(B, T, -1, self.cfg.head_dim))
-        v = self.v_proj(x).reshape(B, T, -1, self.cfg.head_dim)
-        return apply_rope(k, positions, self.cfg.head_dim, self.cfg.rope_theta), v
 
     def __call__(self, x, positions, ctx_k, ctx_v, ctx_visible):
         """x: [B, T, H] the block; ctx_k/v: [B, S, kv, d]; ctx_visible: [B, S] bool."""
         B, T, _ = x.shape
-        h = self.input_layernorm(x)
-        q = self.q_norm(self.q_proj(h).reshape(B, T, -1, self.cfg.head_dim))
-        q = apply_rope(q, positions, self.cfg.head_dim, self.cfg.rope_theta)
-        k, v = self.keys_values(h, positions)
+        q, _, k, v = self.self_attn.project_heads(self.input_layernorm(x), positions)
         keys, values = jnp.concatenate([ctx_k, k], axis=1), jnp.concatenate([ctx_v, v], axis=1)
         visible = jnp.concatenate([ctx_visible, jnp.ones((B, T), bool)], axis=1)[:, None, :]
         o = attend_masked(q, keys, values, jnp.broadcast_to(visible, (B, T, keys.shape[1])))
-        x = x + self.o_proj(o.reshape(B, T, -1))
+        x = x + self.self_attn.output(o, None)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -201,7 +187,7 @@ class DFlashDraft(nnx.Module):
     def context_kv(self, taps, positions):
         """taps [B, T, n*H] (target layer outputs) at positions [B, T] -> K, V [layers, B, T, kv, d]."""
         ctx = self.hidden_norm(self.fc(taps.astype(self.dtype)))
-        _, (k, v) = self._scan(lambda layer, c: (c, layer.keys_values(ctx, positions)), (), None)
+        _, (k, v) = self._scan(lambda layer, c: (c, layer.self_attn.keys_values(ctx, positions)), (), None)
         return k, v
 
     def block(self, x, positions, cache: KVCache, ctx_len):

@@ -18,7 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import MLP, Batch, KVCache, Linear, PlainRMSNorm, apply_rope, cached_attention, zeros_param
+from models.layers import MLP, Attention, Batch, KVCache, Linear, PlainRMSNorm, zeros_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,30 +77,22 @@ class Eagle3Layer(nnx.Module):
     """The midlayer: q/k/v read [embedding | hidden] (2H), Llama attention (no q/k norms)."""
 
     def __init__(self, cfg: Eagle3Config, *, dtype=jnp.float32):
-        H, d = cfg.hidden_size, cfg.head_dim
+        H = cfg.hidden_size
         self.cfg = cfg
         self.input_layernorm = PlainRMSNorm(H, cfg.rms_norm_eps)
         self.hidden_norm = PlainRMSNorm(H, cfg.rms_norm_eps)
         self.post_attention_layernorm = PlainRMSNorm(H, cfg.rms_norm_eps)
-        self.q_proj = Linear(2 * H, cfg.num_attention_heads * d, dtype=dtype)
-        self.k_proj = Linear(2 * H, cfg.num_key_value_heads * d, dtype=dtype)
-        self.v_proj = Linear(2 * H, cfg.num_key_value_heads * d, dtype=dtype)
-        self.o_proj = Linear(cfg.num_attention_heads * d, H, dtype=dtype)
+        self.self_attn = Attention(2 * H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   rope_theta=cfg.rope_theta, dtype=dtype)
         self.mlp = MLP(H, cfg.intermediate_size, dtype=dtype)
 
     def __call__(self, embedded, hidden, batch: Batch, cache: KVCache, kv_len: int):
         """embedded, hidden: [B, T, H]. Returns the pre-norm output [B, T, H] and the cache."""
-        cfg = self.cfg
-        B, T, _ = hidden.shape
         normed = self.hidden_norm(hidden)
-        residual = normed if cfg.norm_before_residual else hidden
+        residual = normed if self.cfg.norm_before_residual else hidden
         x = jnp.concatenate([self.input_layernorm(embedded), normed], axis=-1)
-        pos = batch.positions_for(T)
-        q = apply_rope(self.q_proj(x).reshape(B, T, -1, cfg.head_dim), pos, cfg.head_dim, cfg.rope_theta)
-        k = apply_rope(self.k_proj(x).reshape(B, T, -1, cfg.head_dim), pos, cfg.head_dim, cfg.rope_theta)
-        v = self.v_proj(x).reshape(B, T, -1, cfg.head_dim)
-        o, cache = cached_attention(q, k, v, pos, cache, 0, kv_len)
-        residual = residual + self.o_proj(o.reshape(B, T, -1))
+        h, cache = self.self_attn(x, batch, cache, 0, kv_len)
+        residual = residual + h
         return residual + self.mlp(self.post_attention_layernorm(residual)), cache
 
 

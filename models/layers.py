@@ -108,22 +108,26 @@ SCALE_NAMES = {"int8": ("weight_scale", None), "fp8": ("weight_scale", None),
 
 
 class Linear(nnx.Module):
-    """y = x W^T with W stored [out, in] as in the checkpoint (no bias anywhere in these models).
+    """y = x W^T (+ b) with W stored [out, in] as in the checkpoint; a bias only where the
+    architecture has one (Qwen3's `attention_bias`).
 
     After `quantize_linear`, `weight` holds a `QuantizedWeight`'s codes, its scales sit beside it
     under `SCALE_NAMES[format]`, and the product runs through the quantized-matmul dispatcher
     (the Pallas kernel on a GPU).
     """
 
-    def __init__(self, d_in: int, d_out: int, *, stack=(), dtype=jnp.float32):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, stack=(), dtype=jnp.float32):
         self.weight = zeros_param((*stack, d_out, d_in), dtype)
+        self.bias = zeros_param((*stack, d_out), dtype) if bias else None
         self.format = None  # static: None (float weight) or a quant_matmul format
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.format is not None:
-            return quant_matmul(x, self.quantized())
-        w = self.weight[...]
-        return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+            y = quant_matmul(x, self.quantized())
+        else:
+            w = self.weight[...]
+            y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
     def quantized(self) -> QuantizedWeight:
         scale, global_scale = SCALE_NAMES[self.format]
@@ -131,10 +135,13 @@ class Linear(nnx.Module):
         return QuantizedWeight(self.weight[...], getattr(self, scale)[...], g, self.format)
 
     @classmethod
-    def of(cls, weight: jax.Array) -> "Linear":
-        """A float Linear holding `weight` [out, in] (no zeros allocated first)."""
-        linear = nnx.eval_shape(lambda: cls(weight.shape[-1], weight.shape[-2], dtype=weight.dtype))
+    def of(cls, weight: jax.Array, bias: jax.Array | None = None) -> Linear:
+        """A float Linear holding `weight` [out, in] and `bias` [out] if any (no zeros allocated first)."""
+        linear = nnx.eval_shape(lambda: cls(weight.shape[-1], weight.shape[-2], bias=bias is not None,
+                                            dtype=weight.dtype))
         linear.weight = nnx.Param(weight)
+        if bias is not None:
+            linear.bias = nnx.Param(bias)
         return linear
 
 
@@ -147,7 +154,11 @@ def fuse_linears(module: nnx.Module, names: tuple[str, ...]) -> None:
     parts = [getattr(module, n) for n in names]
     if any(p is None or p.format is not None for p in parts):
         return
-    module.fused = Linear.of(jnp.concatenate([p.weight[...] for p in parts], axis=0))
+    bias = None
+    if any(p.bias is not None for p in parts):  # a part without one adds zeros
+        bias = jnp.concatenate([p.bias[...] if p.bias is not None else jnp.zeros(p.weight.shape[-2], p.weight.dtype)
+                                for p in parts], axis=-1)
+    module.fused = Linear.of(jnp.concatenate([p.weight[...] for p in parts], axis=-2), bias)
     module.fused_sizes = tuple(p.weight.shape[0] for p in parts)
     for n in names:
         setattr(module, n, None)
@@ -251,6 +262,73 @@ def cached_attention(q, k, v, positions, cache: KVCache, g, kv_len: int):
     keys = jax.lax.dynamic_index_in_dim(cache.k, g, keepdims=False)[:, :kv_len]
     values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
     return attend(q, keys, values, positions), cache
+
+
+class Attention(nnx.Module):
+    """GQA attention from `d_in`-wide inputs to `d_out`, configured by what each architecture adds:
+    q/k norms over head_dim (`qk_norm`, a norm class taking (dim, eps); None for none), a per-head
+    sigmoid output gate stored after each head's query in q_proj (`output_gate`, Qwen3.5), q/k/v/o
+    biases (`bias`, Qwen3) and RoPE on the first `rotary_dim` dims (all of them by default).
+
+    `__call__` is the causal form over a cache. Block drafters, which attend under their own mask,
+    compose `project_heads`, `keys_values` and `output` instead. Shapes: x [B, T, d_in]; q [B, T, heads, d];
+    k, v [B, T, kv_heads, d]; positions [B, T].
+    """
+
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # read the same input: `fuse_linears` may join them
+
+    def __init__(self, d_in: int, d_out: int, heads: int, kv_heads: int, head_dim: int, *, rope_theta: float,
+                 rotary_dim: int | None = None, qk_norm=None, eps: float = 1e-6, output_gate: bool = False,
+                 bias: bool = False, stack=(), dtype=jnp.float32):
+        self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = heads, kv_heads, head_dim, rope_theta
+        self.rotary_dim = rotary_dim or head_dim
+        self.output_gate = output_gate
+        q_width = heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = Linear(d_in, q_width, bias=bias, stack=stack, dtype=dtype)
+        self.k_proj = Linear(d_in, kv_heads * head_dim, bias=bias, stack=stack, dtype=dtype)
+        self.v_proj = Linear(d_in, kv_heads * head_dim, bias=bias, stack=stack, dtype=dtype)
+        self.o_proj = Linear(heads * head_dim, d_out, bias=bias, stack=stack, dtype=dtype)
+        self.q_norm = qk_norm(head_dim, eps, stack=stack) if qk_norm else None
+        self.k_norm = qk_norm(head_dim, eps, stack=stack) if qk_norm else None
+
+    def _rope(self, x: jax.Array, norm, positions: jax.Array) -> jax.Array:
+        x = norm(x) if norm is not None else x
+        return apply_rope(x, positions, self.rotary_dim, self.rope_theta)
+
+    @staticmethod
+    def _split(x: jax.Array, heads: int) -> jax.Array:
+        return x.reshape(*x.shape[:-1], heads, -1)
+
+    def project_heads(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array,
+                                                                         jax.Array]:
+        """Normed, rotated queries, the output gate (None without one), keys and values of x."""
+        qg, k, v = project(self, self.PROJECTIONS, x)
+        qg = self._split(qg, self.num_heads)  # per head: [query | gate] with a gate
+        d = self.head_dim
+        q, gate = (qg[..., :d], qg[..., d:]) if self.output_gate else (qg, None)
+        q = self._rope(q, self.q_norm, positions)
+        k = self._rope(self._split(k, self.num_kv_heads), self.k_norm, positions)
+        return q, gate, k, self._split(v, self.num_kv_heads)
+
+    def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Normed, rotated keys and the values of x alone (a drafter's context)."""
+        k = self._rope(self._split(self.k_proj(x), self.num_kv_heads), self.k_norm, positions)
+        return k, self._split(self.v_proj(x), self.num_kv_heads)
+
+    def output(self, o: jax.Array, gate: jax.Array | None) -> jax.Array:
+        """Attended values o [B, T, heads, d] (gated per element when the block has a gate) -> [B, T, d_out]."""
+        o = o.reshape(*o.shape[:-2], -1)
+        if gate is not None:
+            o = o * jax.nn.sigmoid(gate.reshape(o.shape).astype(jnp.float32)).astype(o.dtype)
+        return self.o_proj(o)
+
+    def __call__(self, x: jax.Array, batch: Batch, cache: KVCache, g, kv_len: int) -> tuple[jax.Array, KVCache]:
+        """Writes repeat g's K/V of the new tokens into `cache` [G, B, L, kv, d], then attends
+        causally over slots [0, kv_len). Returns ([B, T, d_out], cache)."""
+        positions = batch.positions_for(x.shape[1])
+        q, gate, k, v = self.project_heads(x, positions)
+        o, cache = cached_attention(q, k, v, positions, cache, g, kv_len)
+        return self.output(o, gate), cache
 
 
 class MLP(nnx.Module):

@@ -1,9 +1,9 @@
 """Plain Qwen3 dense language model (HF `Qwen3ForCausalLM`, model_type "qwen3") in Flax NNX.
 
 Meant as a separate draft model for speculation, so it keeps `Qwen3_5Model`'s calling convention:
-`model(tokens, batch, cache, kv_len=...)` -> (post-norm hidden, cache), `.init_cache`, `.embed`,
-`.logits`, `.commit`, `.cfg`, `.dtype`; the engine can drive either. Building blocks (Linear, MLP, RoPE,
-attention, KVCache, Batch) are the Qwen3.5 model's; what differs from Qwen3.5:
+`model(tokens, batch, cache, kv_len=...)` -> `ForwardOut`, `.init_cache`, `.embed`,
+`.logits`, `.commit`, `.cfg`, `.dtype`; the engine can drive either. Building blocks (Linear, MLP,
+`Attention`, KVCache, Batch) are `models/layers.py`'s; what differs from Qwen3.5:
 
 * RMSNorm is the standard `x * rsqrt(mean(x^2) + eps) * w` (weight init 1), not `(1 + w)`;
 * every layer is full attention with q/k RMSNorm over head_dim and RoPE on the whole head,
@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import (MLP, Batch, KVCache, Linear, PlainRMSNorm, apply_rope, cached_attention, check_head_groups,
-                           scan_layers, unstack_layers, zeros_param)
-from models.qwen3_5 import FULL, Qwen3_5Model
+from models.layers import (MLP, Attention, Batch, KVCache, Linear, PlainRMSNorm, check_head_groups, scan_layers,
+                           unstack_layers, zeros_param)
+from models.qwen3_5 import FULL, ForwardOut, Qwen3_5Model
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
@@ -123,57 +123,17 @@ def check_full_attention(config: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- layers
 
 
-class BiasedLinear(Linear):
-    """y = x W^T + b, W [out, in] as in the checkpoint; the q/k/v/o projections when
-    `attention_bias` is set."""
-
-    def __init__(self, d_in: int, d_out: int, *, stack=(), dtype=jnp.float32):
-        super().__init__(d_in, d_out, stack=stack, dtype=dtype)
-        self.bias = zeros_param((*stack, d_out), dtype)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = super().__call__(x)
-        return y + self.bias[...].astype(y.dtype)
-
-
-class Attention(nnx.Module):
-    """Full causal GQA attention with q/k RMSNorm over head_dim and full-head RoPE; no gate."""
-
-    def __init__(self, cfg: Qwen3Config, *, stack=(), dtype=jnp.float32):
-        H, d = cfg.hidden_size, cfg.head_dim
-        nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        Proj = BiasedLinear if cfg.attention_bias else Linear
-        self.cfg = cfg
-        self.q_proj = Proj(H, nq * d, stack=stack, dtype=dtype)
-        self.k_proj = Proj(H, nkv * d, stack=stack, dtype=dtype)
-        self.v_proj = Proj(H, nkv * d, stack=stack, dtype=dtype)
-        self.o_proj = Proj(nq * d, H, stack=stack, dtype=dtype)
-        self.q_norm = PlainRMSNorm(d, cfg.rms_norm_eps, stack=stack)
-        self.k_norm = PlainRMSNorm(d, cfg.rms_norm_eps, stack=stack)
-
-    def __call__(self, x: jax.Array, batch: Batch, cache: KVCache, g, kv_len: int):
-        """x: [B, T, H]. Writes layer g's K/V for the new tokens into `cache` [N, B, L, kv, d],
-        then attends over slots [0, kv_len). Returns ([B, T, H], cache)."""
-        cfg = self.cfg
-        B, T, _ = x.shape
-        d = cfg.head_dim
-        q = self.q_proj(x).reshape(B, T, cfg.num_attention_heads, d)
-        k = self.k_proj(x).reshape(B, T, cfg.num_key_value_heads, d)
-        v = self.v_proj(x).reshape(B, T, cfg.num_key_value_heads, d)
-        pos = batch.positions_for(T)
-        q = apply_rope(self.q_norm(q), pos, cfg.rotary_dim, cfg.rope_theta)
-        k = apply_rope(self.k_norm(k), pos, cfg.rotary_dim, cfg.rope_theta)
-        o, cache = cached_attention(q, k, v, pos, cache, g, kv_len)
-        return self.o_proj(o.reshape(B, T, -1)), cache
-
-
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
 
     def __init__(self, cfg: Qwen3Config, *, stack=(), dtype=jnp.float32):
         self.input_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
         self.post_attention_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
-        self.self_attn = Attention(cfg, stack=stack, dtype=dtype)
+        # Full causal attention: q/k norms over head_dim, full-head RoPE, no gate, optional biases.
+        H = cfg.hidden_size
+        self.self_attn = Attention(H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   rope_theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, qk_norm=PlainRMSNorm,
+                                   eps=cfg.rms_norm_eps, bias=cfg.attention_bias, stack=stack, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, stack=stack, dtype=dtype)
 
     def __call__(self, x: jax.Array, batch: Batch, cache: KVCache, g, kv_len: int):
@@ -228,7 +188,7 @@ class Qwen3Model(nnx.Module):
         kv_len: static number of cache slots attention reads (the prompt bucket for prefill, the
         cache length after). rollback: accepted for Qwen3_5Model's verify-pass convention and
         ignored, since attention needs none: a row's length decides which slots are read.
-        Returns (post-norm hidden [B, T, H], cache), plus a `None` pending when rollback is set.
+        Returns a `ForwardOut` (hidden [B, T, H], cache; no taps, no pending).
         """
         x = self.embed(tokens)
         if self.unstacked is not None:
@@ -248,9 +208,7 @@ class Qwen3Model(nnx.Module):
 
             layers = (jnp.arange(self.cfg.num_hidden_layers), stacked)
             (x, cache), _ = scan_layers(layer, (x, cache), layers)
-        if rollback is None:
-            return self.norm(x), cache
-        return self.norm(x), cache, None
+        return ForwardOut(self.norm(x), cache)
 
     def commit(self, cache: KVCache, pending, n_used: jax.Array) -> KVCache:
         """After a verify pass: the cache already holds all T tokens and rows' lengths decide

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import (MLP, Batch, KVCache, Linear, apply_rope, cached_attention, check_head_groups, expect_json,
-                           fuse_linears, project, scan_layers, unstack_layers, zeros_param)
+from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, expect_json, fuse_linears, project,
+                           scan_layers, unstack_layers, zeros_param)
 from pallas_kernels.expert_matmul import expert_swiglu
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
@@ -204,13 +204,22 @@ ROLLBACKS = ("checkpoint", "replay")
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class TargetOut:
-    """What drafters read from a target pass: hidden [B, T, H] the post-norm hidden states, and
-    taps [B, T, n*H] the outputs of the requested decoder layers (HF `hidden_states[id + 1]`),
-    concatenated in the order asked (None when none were asked for)."""
+class ForwardOut:
+    """What a target forward pass returns (`Qwen3_5Model`, and `Qwen3Model` as a draft model).
+
+    hidden: [B, T, H] post-norm hidden states (`logits` turns them into the vocabulary).
+    cache: the caches after the pass (after a verify pass: attention written, GDN unchanged
+      until `commit`).
+    taps: [B, T, n*H] the outputs of the requested decoder layers (HF `hidden_states[id + 1]`),
+      concatenated in the order asked; None when none were asked for. Drafters read them.
+    pending: what a verify pass keeps for `commit` (per layer: `GDNPending`, None for attention);
+      None outside a verify pass.
+    """
 
     hidden: jax.Array
+    cache: Any
     taps: jax.Array | None = None
+    pending: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -274,43 +283,6 @@ class GatedRMSNorm(nnx.Module):
         of = o.astype(jnp.float32)
         n = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.eps)
         return (n * self.weight[...] * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
-
-
-class GatedAttention(nnx.Module):
-    """Full attention with a per-head sigmoid output gate, q/k norms and partial RoPE."""
-
-    PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # read the same input: `fuse_linears` may join them
-
-    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
-        H, d = cfg.hidden_size, cfg.head_dim
-        self.cfg = cfg
-        self.q_proj = Linear(H, cfg.num_attention_heads * d * 2, stack=stack, dtype=dtype)
-        self.k_proj = Linear(H, cfg.num_key_value_heads * d, stack=stack, dtype=dtype)
-        self.v_proj = Linear(H, cfg.num_key_value_heads * d, stack=stack, dtype=dtype)
-        self.o_proj = Linear(cfg.num_attention_heads * d, H, stack=stack, dtype=dtype)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, stack=stack)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, stack=stack)
-
-    def __call__(self, x, batch: Batch, cache: KVCache, g, kv_len: int, rollback=None):
-        """x: [B, T, H]. Writes this layer's (repeat g) K/V for the new tokens into `cache`,
-        then attends over slots [0, kv_len). Returns ([B, T, H], cache, None): attention needs
-        no rollback, since a row's length decides which slots are read."""
-        del rollback
-        cfg = self.cfg
-        B, T, _ = x.shape
-        d = cfg.head_dim
-        qg, k, v = project(self, self.PROJECTIONS, x)
-        qg = qg.reshape(B, T, cfg.num_attention_heads, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:]  # per head: [query | gate]
-        k = k.reshape(B, T, cfg.num_key_value_heads, d)
-        v = v.reshape(B, T, cfg.num_key_value_heads, d)
-        pos = batch.positions_for(T)
-        q = apply_rope(self.q_norm(q), pos, cfg.rotary_dim, cfg.rope_theta)
-        k = apply_rope(self.k_norm(k), pos, cfg.rotary_dim, cfg.rope_theta)
-        o, cache = cached_attention(q, k, v, pos, cache, g, kv_len)
-        o = o.reshape(B, T, -1)
-        o = o * jax.nn.sigmoid(gate.reshape(B, T, -1).astype(jnp.float32)).astype(o.dtype)
-        return self.o_proj(o), cache, None
 
 
 class GatedDeltaNet(nnx.Module):
@@ -454,8 +426,11 @@ class DecoderLayer(nnx.Module):
         self.kind = kind
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
-        if kind == FULL:
-            self.self_attn = GatedAttention(cfg, stack=stack, dtype=dtype)
+        if kind == FULL:  # full attention with a per-head output gate, (1 + w) q/k norms, partial RoPE
+            H = cfg.hidden_size
+            self.self_attn = Attention(H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                       rope_theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, qk_norm=RMSNorm,
+                                       eps=cfg.rms_norm_eps, output_gate=True, stack=stack, dtype=dtype)
         else:
             self.linear_attn = GatedDeltaNet(cfg, stack=stack, dtype=dtype)
         if cfg.is_moe:
@@ -471,8 +446,13 @@ class DecoderLayer(nnx.Module):
             fuse_linears(module, module.PROJECTIONS)
 
     def __call__(self, x, batch: Batch, cache, g, kv_len: int, rollback=None):
-        mixer = self.self_attn if self.kind == FULL else self.linear_attn
-        h, cache, pending = mixer(self.input_layernorm(x), batch, cache, g, kv_len, rollback)
+        """Returns (x, cache, pending): pending is the GDN's per-token state a verify pass keeps
+        for rollback, None for attention, which needs none (a row's length decides what is read)."""
+        normed = self.input_layernorm(x)
+        if self.kind == FULL:
+            (h, cache), pending = self.self_attn(normed, batch, cache, g, kv_len), None
+        else:
+            h, cache, pending = self.linear_attn(normed, batch, cache, g, kv_len, rollback)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), cache, pending
 
@@ -568,9 +548,8 @@ class Qwen3_5Model(nnx.Module):
         rollback: None advances every cache by n_valid tokens. "checkpoint" or "replay" makes
           this a verify pass: attention K/V are written, GDN caches are left as they were, and
           the pending per-layer data is returned for `commit`.
-        taps: static decoder-layer indices whose outputs to return as `TargetOut.taps`.
-        Returns (post-norm hidden [B, T, H] — a `TargetOut` when taps are asked for — new
-        cache), plus the pending data when verifying.
+        taps: static decoder-layer indices whose outputs to return as `ForwardOut.taps`.
+        Returns a `ForwardOut`.
         """
         P = len(self.cfg.pattern)
 
@@ -597,12 +576,8 @@ class Qwen3_5Model(nnx.Module):
                 per_group.append(pend)
             pending = jax.tree.map(lambda *a: jnp.stack(a), *per_group)  # [G, ...] as the scan stacks it
         x, cache, tapped = carry
-        hidden = self.norm(x)
-        if taps:
-            hidden = TargetOut(hidden, jnp.concatenate(tapped, axis=-1))
-        if rollback is None:
-            return hidden, cache
-        return hidden, cache, pending
+        return ForwardOut(self.norm(x), cache, jnp.concatenate(tapped, axis=-1) if taps else None,
+                          None if rollback is None else pending)
 
     def commit(self, cache: ModelCache, pending: tuple, n_used: jax.Array) -> ModelCache:
         """After a verify pass, keep its first n_used [B] tokens (1..T) in every cache.

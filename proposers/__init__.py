@@ -3,14 +3,14 @@ is a frozen (hashable, jit-static) dataclass meeting `Proposer`: three pure meth
 inside the jitted speculative step:
 
     init_state(model, draft, tokens, lengths, target, choose, reference) -> state
-        after prefill: tokens [B, L] buffer, lengths [B], target: the prompt's `TargetOut`
+        after prefill: tokens [B, L] buffer, lengths [B], target: the prompt's `ForwardOut`
         (post-norm hidden [B, T, H], and the layer taps the proposer's `taps` field asks for),
         reference [B, L] (oracle only, else None).
     propose(model, draft, state, tokens, lengths, choose) -> (drafts [B, k], n_draft [B], q | None, state)
         q [B, k, V] are the draft probabilities when drafting is probabilistic, else None
         (the verifier then treats q as one-hot on the drafted token).
     update(model, draft, state, target, emitted, n_acc, lengths, choose) -> state
-        after verification: target: the verify pass's `TargetOut` over [newest, d1..dk],
+        after verification: target: the verify pass's `ForwardOut` over [newest, d1..dk],
         emitted [B, k+1] the row's new tokens (first n_acc + 1 valid), lengths [B] before them.
 
 `model` is the target; `draft` is the method's own network (None for methods without one).
@@ -30,7 +30,7 @@ Choose = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array | None]]
 
 class Proposer(Protocol):
     """What the engine's speculative step calls (see above for shapes). Optional attributes:
-    `taps` (target layers whose outputs `TargetOut.taps` carries) and `may_not_draft` (a step
+    `taps` (target layers whose outputs `ForwardOut.taps` carries) and `may_not_draft` (a step
     can come up with no draft in any row, so the step compiles a one-token branch too)."""
 
     k: int

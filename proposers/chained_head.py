@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from models.layers import Batch, KVCache
-from models.qwen3_5 import TargetOut
+from models.qwen3_5 import ForwardOut
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +54,7 @@ class ChainedHeadProposer(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def features(self, model, draft, target: TargetOut) -> jax.Array:
+    def features(self, model, draft, target: ForwardOut) -> jax.Array:
         """What the head reads beside the token at committed positions [B, T, H]."""
         ...
 
@@ -68,7 +68,7 @@ class ChainedHeadProposer(abc.ABC):
         """Head output [B, H] -> float32 draft logits over the target vocabulary [B, V]."""
         ...
 
-    def _read(self, model, draft, cache, tokens, target: TargetOut, start, n_valid, kv_len, choose,
+    def _read(self, model, draft, cache, tokens, target: ForwardOut, start, n_valid, kv_len, choose,
               positions) -> ChainedHeadState:
         """Run the head over (tokens, the target's features) from `start` for n_valid [B]
         positions and draft from each row's last one."""
@@ -78,7 +78,7 @@ class ChainedHeadProposer(abc.ABC):
         token, q = choose(self.logits(model, draft, last), positions)
         return ChainedHeadState(cache, token, last, q)
 
-    def init_state(self, model, draft, tokens, lengths, target: TargetOut, choose,
+    def init_state(self, model, draft, tokens, lengths, target: ForwardOut, choose,
                    reference=None) -> ChainedHeadState:
         T = target.hidden.shape[1]
         next_tokens = jnp.pad(tokens, ((0, 0), (0, 1)))[:, 1 : T + 1]  # draft row p reads token p+1
@@ -103,7 +103,7 @@ class ChainedHeadProposer(abc.ABC):
         q = None if state.q is None else jnp.concatenate([state.q[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
         return drafts, jnp.full_like(lengths, self.k), q, dataclasses.replace(state, cache=cache)
 
-    def update(self, model, draft, state: ChainedHeadState, target: TargetOut, emitted, n_acc, lengths,
+    def update(self, model, draft, state: ChainedHeadState, target: ForwardOut, emitted, n_acc, lengths,
                choose) -> ChainedHeadState:
         return self._read(model, draft, state.cache, emitted, target, lengths - 1, n_acc + 1, state.cache.k.shape[2],
                           choose, lengths + n_acc + 1)

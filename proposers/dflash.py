@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from models.layers import KVCache
-from models.qwen3_5 import TargetOut
+from models.qwen3_5 import ForwardOut
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class DFlashProposer:
         return KVCache(cache.k.at[:, rows, pos].set(k.astype(cache.k.dtype), mode="drop"),
                        cache.v.at[:, rows, pos].set(v.astype(cache.v.dtype), mode="drop"))
 
-    def init_state(self, model, draft, tokens, lengths, target: TargetOut, choose, reference=None) -> KVCache:
+    def init_state(self, model, draft, tokens, lengths, target: ForwardOut, choose, reference=None) -> KVCache:
         cache = draft.init_cache(tokens.shape[0], tokens.shape[1])
         return self._write_context(draft, cache, target.taps, jnp.zeros_like(lengths))
 
@@ -61,5 +61,5 @@ class DFlashProposer:
         q = None if picks[0][1] is None else jnp.stack([p[1] for p in picks], axis=1)
         return jnp.stack([p[0] for p in picks], axis=1), jnp.full_like(lengths, self.k), q, cache
 
-    def update(self, model, draft, cache: KVCache, target: TargetOut, emitted, n_acc, lengths, choose) -> KVCache:
+    def update(self, model, draft, cache: KVCache, target: ForwardOut, emitted, n_acc, lengths, choose) -> KVCache:
         return self._write_context(draft, cache, target.taps, lengths - 1)

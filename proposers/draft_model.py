@@ -36,7 +36,7 @@ class DraftModelProposer:
     def init_state(self, model, draft, tokens, lengths, target, choose, reference=None) -> DraftState:
         B, T = tokens.shape[0], target.hidden.shape[1]  # the prompt bucket
         cache = draft.init_cache(B, self.cache_len)
-        _, cache = draft(tokens[:, :T], Batch(jnp.zeros_like(lengths), lengths - 1), cache, kv_len=T)
+        cache = draft(tokens[:, :T], Batch(jnp.zeros_like(lengths), lengths - 1), cache, kv_len=T).cache
         return DraftState(cache, tokens[jnp.arange(B), lengths - 1])
 
     def propose(self, model, draft, state: DraftState, tokens, lengths, choose):
@@ -45,8 +45,9 @@ class DraftModelProposer:
         cache, token, drafts, qs = state.cache, newest, [], []
         ones = jnp.ones_like(lengths)
         for j in range(self.k):
-            h, cache = draft(token[:, None], Batch(lengths - 1 + j, ones), cache, kv_len=L)
-            token, q = choose(draft.logits(h[:, 0]), lengths + j)
+            out = draft(token[:, None], Batch(lengths - 1 + j, ones), cache, kv_len=L)
+            token, q = choose(draft.logits(out.hidden[:, 0]), lengths + j)
+            cache = out.cache
             drafts.append(token)
             qs.append(q)
         q = None if qs[0] is None else jnp.stack(qs, axis=1)
@@ -54,5 +55,5 @@ class DraftModelProposer:
 
     def update(self, model, draft, state: DraftState, target, emitted, n_acc, lengths, choose) -> DraftState:
         inputs = jnp.concatenate([state.newest[:, None], emitted[:, :-1]], axis=1)  # newest, accepted drafts
-        _, cache = draft(inputs, Batch(lengths - 1, n_acc + 1), state.cache, kv_len=self.cache_len)
+        cache = draft(inputs, Batch(lengths - 1, n_acc + 1), state.cache, kv_len=self.cache_len).cache
         return DraftState(cache, state.newest)

@@ -10,7 +10,7 @@ from proposers.chained_head import ChainedHeadProposer
 
 @dataclasses.dataclass(frozen=True)
 class Eagle3Proposer(ChainedHeadProposer):
-    """taps: the target layers whose outputs the head reads (`TargetOut.taps`)."""
+    """taps: the target layers whose outputs the head reads (`ForwardOut.taps`)."""
 
     taps: tuple[int, ...]
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from models.dflash import DFlashConfig
 from models.layers import Batch
-from models.qwen3_5 import TargetOut, init_cache
+from models.qwen3_5 import ForwardOut, init_cache
 from spec_jax.loading import load_model
 from spec_jax.writing.random_checkpoint import write_dflash_checkpoint
 
@@ -39,9 +39,9 @@ def test_layer_taps_are_hfs_hidden_states(case):
     model, cfg = load_model(HF_FIXTURES / case, "float32")
     ids = jnp.asarray(ref["input_ids"])[None]
     L = cfg.num_hidden_layers
-    out, _ = model(ids, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([32])), init_cache(cfg, 1, 64, jnp.float32),
-                   kv_len=32, taps=tuple(range(L)))
-    assert isinstance(out, TargetOut)
+    out = model(ids, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([32])), init_cache(cfg, 1, 64, jnp.float32),
+                kv_len=32, taps=tuple(range(L)))
+    assert isinstance(out, ForwardOut)
     taps = np.asarray(out.taps[0]).reshape(32, L, -1).transpose(1, 0, 2)  # [L, T, H]
     want = ref["hidden_states"]  # HF: layer i's output at i; the last one after the final norm
     for i in range(L - 1):
@@ -74,8 +74,8 @@ def test_context_cache_holds_the_committed_prefix(tiny_llm, dflash_dir):
     state = llm.engine.decode(state, 4, do_sample)
     n = int(state.lengths[0]) - 1  # committed positions
     model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
-    out, _ = model(state.tokens[:, :n], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n])),
-                   init_cache(model.cfg, 1, n, jnp.float32), kv_len=n, taps=DRAFTER.target_layer_ids)
+    out = model(state.tokens[:, :n], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n])),
+                init_cache(model.cfg, 1, n, jnp.float32), kv_len=n, taps=DRAFTER.target_layer_ids)
     k, v = draft.context_kv(out.taps, jnp.arange(n)[None])
     for got, want in ((state.proposer.k[:, :, :n], k), (state.proposer.v[:, :, :n], v)):
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5

@@ -58,8 +58,8 @@ def test_the_drafts_caches_end_at_the_accepted_prefix(tiny_llm, near_copy):
     n = int(state.lengths[0])
     _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
     fresh = draft.init_cache(1, llm.engine.cache_len)
-    _, fresh = draft(state.tokens[:, : n - 1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])), fresh,
-                     kv_len=n - 1)
+    fresh = draft(state.tokens[:, : n - 1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])), fresh,
+                  kv_len=n - 1).cache
     for got, want in zip(state.proposer.cache, fresh):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             if g.ndim == 5 and g.shape[2] == llm.engine.cache_len:  # KV: the committed slots only

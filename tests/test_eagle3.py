@@ -48,8 +48,8 @@ def test_drafts_stay_in_the_draft_vocabulary_and_state_follows_the_prefix(tiny_l
     model, head = nnx.merge(llm.engine.graphdef, llm.engine.params)
     n = int(state.lengths[0])
     seq = state.tokens[:, :n]
-    out, _ = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
-                   init_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1, taps=HEAD.target_layer_ids)
+    out = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
+                init_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1, taps=HEAD.target_layer_ids)
     logits, pre, _ = head(head.embed(seq[:, 1:], model.embed), head.fc(out.taps),
                           Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])), head.init_cache(1, n), n - 1)
     assert int(jnp.argmax(logits[0, -1])) == int(state.proposer.draft[0])

@@ -24,8 +24,8 @@ def extend_fn(model, kv_len):
     @jax.jit
     def run(params, tokens, start, n_valid, cache):
         m = nnx.merge(gdef, params)
-        hidden, cache = m(tokens, Batch(start, n_valid), cache, kv_len=kv_len)
-        return m.logits(hidden), cache
+        out = m(tokens, Batch(start, n_valid), cache, kv_len=kv_len)
+        return m.logits(out.hidden), out.cache
 
     return lambda *a: run(params, *a)
 

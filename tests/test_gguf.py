@@ -31,8 +31,8 @@ def relative_error(got, want) -> float:
 def _forward(graphdef, state, tokens):
     model = nnx.merge(graphdef, state)
     T = tokens.shape[1]
-    hidden, _ = model(tokens, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([T])), init_cache(model.cfg, 1, T, jnp.float32),
-                      kv_len=T)
+    hidden = model(tokens, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([T])), init_cache(model.cfg, 1, T, jnp.float32),
+                   kv_len=T).hidden
     if model.mtp is None:
         return model.logits(hidden)[0], None
     # draft row p: token p+1 at position p with the target's hidden at p, as test_mtp pairs them

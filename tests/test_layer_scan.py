@@ -77,11 +77,13 @@ def test_decode_layout_keeps_the_outputs_and_releases_the_stacks(moe):
 
     def passes(m):
         cache = m.init_cache(2, 32)
-        hidden, cache = m(prompt, Batch(jnp.zeros(2, jnp.int32), jnp.array([9, 6])), cache, kv_len=32)
-        step, cache = m(prompt[:, :1], Batch(jnp.array([9, 6]), jnp.ones(2, jnp.int32)), cache, kv_len=32)
-        verify, _, pending = m(prompt[:, :3], Batch(jnp.array([10, 7]), jnp.array([3, 2])), cache, kv_len=32,
-                               rollback="replay")
-        committed = m.commit(cache, pending, jnp.array([2, 1]))
+        prefilled = m(prompt, Batch(jnp.zeros(2, jnp.int32), jnp.array([9, 6])), cache, kv_len=32)
+        hidden, cache = prefilled.hidden, prefilled.cache
+        decoded = m(prompt[:, :1], Batch(jnp.array([9, 6]), jnp.ones(2, jnp.int32)), cache, kv_len=32)
+        step, cache = decoded.hidden, decoded.cache
+        verified = m(prompt[:, :3], Batch(jnp.array([10, 7]), jnp.array([3, 2])), cache, kv_len=32, rollback="replay")
+        verify = verified.hidden
+        committed = m.commit(cache, verified.pending, jnp.array([2, 1]))
         return [m.logits(h) for h in (hidden, step, verify)] + jax.tree.leaves(committed)
 
     before = run(model)

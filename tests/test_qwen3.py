@@ -44,8 +44,8 @@ def runner(model):
     @functools.partial(jax.jit, static_argnames="kv_len")
     def step(params, tokens, start, n_valid, cache, kv_len):
         m = nnx.merge(graphdef, params)
-        hidden, cache = m(tokens, Batch(start, n_valid), cache, kv_len=kv_len)
-        return m.logits(hidden), cache
+        out = m(tokens, Batch(start, n_valid), cache, kv_len=kv_len)
+        return m.logits(out.hidden), out.cache
 
     return functools.partial(step, params)
 
@@ -81,14 +81,15 @@ def test_greedy_matches_hf_generate():
     def generate(params, prompt):
         m = nnx.merge(graphdef, params)
         one = jnp.ones(1, jnp.int32)
-        hidden, cache = m(prompt, Batch(jnp.zeros(1, jnp.int32), P * one), init_qwen3_cache(cfg, 1, L, m.dtype),
-                          kv_len=P)
+        out = m(prompt, Batch(jnp.zeros(1, jnp.int32), P * one), init_qwen3_cache(cfg, 1, L, m.dtype), kv_len=P)
+        hidden, cache = out.hidden, out.cache
         first = jnp.argmax(m.logits(hidden[:, -1]), -1).astype(jnp.int32)  # [1]
 
         def decode(carry, pos):
             token, cache = carry  # feed the newest token at position pos
-            hidden, cache = m(token[:, None], Batch(pos * one, one), cache, kv_len=L)
-            nxt = jnp.argmax(m.logits(hidden[:, 0]), -1).astype(jnp.int32)
+            out = m(token[:, None], Batch(pos * one, one), cache, kv_len=L)
+            nxt = jnp.argmax(m.logits(out.hidden[:, 0]), -1).astype(jnp.int32)
+            cache = out.cache
             return (nxt, cache), token
 
         (last, _), tokens = jax.lax.scan(decode, (first, cache), P + jnp.arange(n_new - 1))
@@ -127,17 +128,17 @@ def test_prefill_then_decode_equals_full_forward(variant):
 
 
 def test_verify_pass_convention_matches_qwen3_5():
-    """rollback is accepted and ignored: (hidden, cache, None), and commit is the identity."""
+    """rollback is accepted and ignored (no pending), and commit is the identity."""
     model, cfg, ref = loaded("untied")
     tokens = jnp.asarray(ref["input_ids"][:4], jnp.int32)[None]
     batch = Batch(jnp.zeros(1, jnp.int32), jnp.full(1, 4, jnp.int32))
     cache = init_qwen3_cache(cfg, 1, 8, jnp.float32)
-    hidden, plain_cache = model(tokens, batch, cache, kv_len=4)
+    plain = model(tokens, batch, cache, kv_len=4)
     out = model(tokens, batch, cache, kv_len=4, rollback="replay")
-    assert len(out) == 3 and out[2] is None
-    np.testing.assert_array_equal(out[0], hidden)
-    assert model.commit(out[1], out[2], jnp.array([2])) is out[1]
-    np.testing.assert_array_equal(out[1].k, plain_cache.k)
+    assert out.pending is None
+    np.testing.assert_array_equal(out.hidden, plain.hidden)
+    assert model.commit(out.cache, out.pending, jnp.array([2])) is out.cache
+    np.testing.assert_array_equal(out.cache.k, plain.cache.k)
 
 
 def test_cache_shape_and_dtype():

@@ -21,15 +21,15 @@ def setup(tiny_dir):
 
     @jax.jit
     def extend(params, tokens, start, n_valid, cache):
-        return nnx.merge(gdef, params)(tokens, Batch(start, n_valid), cache, kv_len=L)[1]
+        return nnx.merge(gdef, params)(tokens, Batch(start, n_valid), cache, kv_len=L).cache
 
     def verify_commit(rollback):
         @jax.jit
         def run(params, tokens, start, n_used, cache):
             m = nnx.merge(gdef, params)
             n_valid = jnp.full_like(start, tokens.shape[1])
-            _, cache, pending = m(tokens, Batch(start, n_valid), cache, kv_len=L, rollback=rollback)
-            return m.commit(cache, pending, n_used)
+            out = m(tokens, Batch(start, n_valid), cache, kv_len=L, rollback=rollback)
+            return m.commit(out.cache, out.pending, n_used)
         return lambda *a: run(params, *a)
 
     rng = np.random.default_rng(0)

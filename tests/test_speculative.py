@@ -123,8 +123,8 @@ def test_mtp_state_after_rollbacks_matches_a_full_forward(echo_dir):
     n = int(state.lengths[0])
     seq = jnp.asarray(state.tokens[:, :n])
     model = llm.model
-    hidden, _ = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
-                      init_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1)
+    hidden = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
+                   init_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1).hidden
     h, _ = model.mtp(model.embed(seq[:, 1:]), hidden, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
                      init_mtp_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1)
     np.testing.assert_allclose(state.proposer.hidden[0], h[0, -1], rtol=1e-4, atol=1e-4)

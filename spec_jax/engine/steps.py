@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from models.layers import Batch
-from models.qwen3_5 import CHUNK, Qwen3_5Config, Qwen3_5Model, TargetOut, init_cache
+from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Config, Qwen3_5Model, init_cache
 from proposers import Proposer
 from proposers.oracle import SyntheticAcceptance
 from spec_jax.engine.sampling import RowSampling, accept_drafts, accept_synthetic, draw, sample_tokens, warp_logits
@@ -94,10 +94,6 @@ def plan_taps(plan: SpecPlan | None) -> tuple[int, ...]:
     return getattr(plan.proposer, "taps", ()) if plan is not None else ()
 
 
-def as_target_out(out) -> TargetOut:
-    return out if isinstance(out, TargetOut) else TargetOut(out)
-
-
 def append_tokens(state: DecodeState, new: jax.Array, count: jax.Array, cache) -> DecodeState:
     """Write up to `count` [B] of the tokens new [B, m] per live row, stopping after the first
     stop token and at max_lengths; then update done."""
@@ -142,8 +138,8 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     B, T = prompts.shape
     cache = init_cache(model.cfg, B, cache_len, model.dtype)
     batch = Batch(start=jnp.zeros((B,), jnp.int32), n_valid=prompt_lengths)
-    target, cache = model(prompts, batch, cache, kv_len=T, taps=plan_taps(plan))
-    target = as_target_out(target)
+    target = model(prompts, batch, cache, kv_len=T, taps=plan_taps(plan))
+    cache = target.cache
     last = target.hidden[jnp.arange(B), prompt_lengths - 1]
     first = sample_tokens(model.logits(last), sampling, prompt_lengths, do_sample=do_sample)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :T].set(prompts)
@@ -157,14 +153,20 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     return dataclasses.replace(state, proposer=pstate, stats=SpecStats.zeros(B, plan.k))
 
 
-def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bool) -> DecodeState:
-    """Plain decoding: feed each live row's newest token and sample the next one."""
+def decode_one(model: Qwen3_5Model, state: DecodeState, taps: tuple[int, ...], *,
+               do_sample: bool) -> tuple[jax.Array, ForwardOut]:
+    """Feed each live row's newest token; returns the next token [B] and the pass's `ForwardOut`."""
     B, L = state.tokens.shape
     newest = state.tokens[jnp.arange(B), state.lengths - 1][:, None]
     batch = Batch(start=state.lengths - 1, n_valid=(~state.done).astype(jnp.int32))
-    hidden, cache = model(newest, batch, state.cache, kv_len=L)
-    nxt = sample_tokens(model.logits(hidden[:, 0]), state.sampling, state.lengths, do_sample=do_sample)
-    state = append_tokens(state, nxt[:, None], jnp.ones_like(nxt), cache)
+    out = model(newest, batch, state.cache, kv_len=L, taps=taps)
+    return sample_tokens(model.logits(out.hidden[:, 0]), state.sampling, state.lengths, do_sample=do_sample), out
+
+
+def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bool) -> DecodeState:
+    """Plain decoding: feed each live row's newest token and sample the next one."""
+    nxt, out = decode_one(model, state, (), do_sample=do_sample)
+    state = append_tokens(state, nxt[:, None], jnp.ones_like(nxt), out.cache)
     return dataclasses.replace(state, steps=state.steps + 1)
 
 
@@ -190,9 +192,7 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
     def verify(_):
         inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
         batch = Batch(start=state.lengths - 1, n_valid=jnp.where(live, n_draft + 1, 0))
-        target, cache, pending = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback,
-                                       taps=plan_taps(plan))
-        target = as_target_out(target)
+        target = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback, taps=plan_taps(plan))
         logits = model.logits(target.hidden)
         if isinstance(plan.proposer, SyntheticAcceptance):
             n_acc, emitted = accept_synthetic(plan.proposer.rates_of(pstate), logits, drafts, n_draft,
@@ -200,18 +200,16 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
         else:
             n_acc, emitted = accept_drafts(logits, drafts, n_draft, q, state.sampling, state.lengths,
                                            do_sample=do_sample)
-        return n_acc, emitted, model.commit(cache, pending, jnp.where(live, n_acc + 1, 0)), target
+        cache = model.commit(target.cache, target.pending, jnp.where(live, n_acc + 1, 0))
+        return n_acc, emitted, cache, dataclasses.replace(target, cache=None, pending=None)
 
     def decode_only(_):
-        # As `decode_step`; the target's outputs are padded to the k+1 positions proposers read
-        # (past n_acc + 1 = 1 they are never read).
-        batch = Batch(start=state.lengths - 1, n_valid=live.astype(jnp.int32))
-        target, cache = model(newest[:, None], batch, state.cache, kv_len=L, taps=plan_taps(plan))
-        target = as_target_out(target)
-        nxt = sample_tokens(model.logits(target.hidden[:, 0]), state.sampling, state.lengths, do_sample=do_sample)
+        # `decode_one`, its outputs padded to the k+1 positions proposers read (past
+        # n_acc + 1 = 1 they are never read).
+        nxt, target = decode_one(model, state, plan_taps(plan), do_sample=do_sample)
         pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, k), (0, 0)))  # noqa: E731
         emitted = jnp.concatenate([nxt[:, None], drafts], axis=1)
-        return jnp.zeros_like(n_draft), emitted, cache, TargetOut(pad(target.hidden), pad(target.taps))
+        return jnp.zeros_like(n_draft), emitted, target.cache, ForwardOut(pad(target.hidden), None, pad(target.taps))
 
     if getattr(plan.proposer, "may_not_draft", False):
         n_acc, emitted, cache, target = jax.lax.cond(jnp.any(n_draft > 0), verify, decode_only, None)
@@ -267,8 +265,7 @@ def forward_logits(model: Qwen3_5Model, draft, tokens, length, *, cache_len: int
     """Full-sequence logits of one right-padded sequence: tokens [1, T], length [1] -> [1, T, V]."""
     cache = init_cache(model.cfg, 1, cache_len, model.dtype)
     batch = Batch(start=jnp.zeros((1,), jnp.int32), n_valid=length)
-    hidden, _ = model(tokens, batch, cache, kv_len=tokens.shape[1])
-    return model.logits(hidden)
+    return model.logits(model(tokens, batch, cache, kv_len=tokens.shape[1]).hidden)
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -325,15 +322,19 @@ class Engine:
         shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
         key = (name, shapes, static)
         if key not in self.executables:
-            graphdef = self.graphdef
-
-            def run(params, *a):
-                model, draft = nnx.merge(graphdef, params)
-                return fn(model, draft, *a)
-
-            jitted = jax.jit(run, donate_argnums=tuple(i + 1 for i in donate))
+            jitted = jax.jit(self._on_params(fn), donate_argnums=tuple(i + 1 for i in donate))
             self.executables[key] = jitted.lower(self.params, *args).compile()
         return self.executables[key](self.params, *args)
+
+    def _on_params(self, fn):
+        """fn(model, draft, *a) as a function of the split parameters: run(params, *a)."""
+        graphdef = self.graphdef
+
+        def run(params, *a):
+            model, draft = nnx.merge(graphdef, params)
+            return fn(model, draft, *a)
+
+        return run
 
     def prefill(self, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done, speculate, reference,
                 do_sample: bool) -> DecodeState:

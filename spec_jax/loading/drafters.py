@@ -15,21 +15,28 @@ from spec_jax.loading import load_model
 from spec_jax.loading.qwen3 import load_qwen3
 from spec_jax.loading.source import TensorSource, fill_params, read_config, read_json, resolve_dtype
 
-ATTENTION_PARAMS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+# Bare arrays (not Linears) that the published layouts store as `<name>.weight`.
+EMBEDDINGS = {("markov_head", "markov_w1"), ("embed_tokens",)}
 
 
-def dflash_sources(path: tuple, cfg: DFlashConfig) -> tuple[list[str], bool]:
-    """Our parameter path -> the published tensor names (and whether they stack over layers).
-    ('layers', 0, 'q_proj', 'weight') -> 'layers.{i}.self_attn.q_proj.weight';
-    ('markov_head', 'markov_w1') -> 'markov_head.markov_w1.weight' (an embedding's weight)."""
-    if path == ("markov_head", "markov_w1"):
-        return ["markov_head.markov_w1.weight"], False
+def drafter_sources(path: tuple, stacked_layers: int = 0) -> tuple[list[str], bool]:
+    """Our drafter parameter path -> the published tensor names, and whether they stack over layers.
+    ('layers', 0, 'self_attn', 'q_proj', 'weight') -> 'layers.{i}.self_attn.q_proj.weight' for each of
+    `stacked_layers` layers stacked in our one entry (DFlash, DSpark), or 'layers.0.self_attn.q_proj.weight'
+    when the one layer is not stacked (EAGLE-3); ('embed_tokens',) -> 'embed_tokens.weight'."""
+    if path in EMBEDDINGS:
+        return [".".join(path) + ".weight"], False
     if path[0] != "layers":
         return [".".join(map(str, path))], False
     rest = [str(p) for p in path[2:]]
-    if rest[0] in ATTENTION_PARAMS:
-        rest = ["self_attn", *rest]
-    return [".".join(["layers", str(i), *rest]) for i in range(cfg.num_hidden_layers)], True
+    if not stacked_layers:
+        return [".".join(["layers", "0", *rest])], False
+    return [".".join(["layers", str(i), *rest]) for i in range(stacked_layers)], True
+
+
+def dflash_sources(path: tuple, cfg: DFlashConfig) -> tuple[list[str], bool]:
+    """`drafter_sources` for a DFlash or DSpark drafter of `cfg`'s depth."""
+    return drafter_sources(path, cfg.num_hidden_layers)
 
 
 def check_dflash_fits(cfg: DFlashConfig, target: Qwen3_5Config, where: str) -> None:
@@ -57,22 +64,6 @@ def load_dflash(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="floa
     return model, cfg
 
 
-EAGLE3_LAYER_NORMS = {"input_layernorm", "hidden_norm", "post_attention_layernorm"}
-
-
-def eagle3_sources(path: tuple) -> tuple[list[str], bool]:
-    """Our EAGLE-3 parameter path -> Speculators' names ('layers', 0, 'q_proj', 'weight') ->
-    'layers.0.self_attn.q_proj.weight'; ('embed_tokens',) -> 'embed_tokens.weight'."""
-    if path == ("embed_tokens",):
-        return ["embed_tokens.weight"], False
-    if path[0] != "layers":
-        return [".".join(map(str, path))], False
-    rest = [str(p) for p in path[2:]]
-    if rest[0] in ATTENTION_PARAMS:
-        rest = ["self_attn", *rest]
-    return [".".join(["layers", "0", *rest])], False
-
-
 def load_eagle3(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="float32"):
     """A Speculators EAGLE-3 checkpoint -> (Eagle3Draft, Eagle3Config), refused by name if it
     does not fit `target`. Original EAGLE-3 names (`midlayer.*`) are read as `layers.0.*`."""
@@ -94,7 +85,7 @@ def load_eagle3(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="floa
                          f"0..{target.num_hidden_layers - 1}")
     read = lambda name: src.get(name if name in src or not name.startswith("layers.0.")
                                 else "midlayer." + name[len("layers.0."):])
-    model = fill_params(lambda: Eagle3Draft(cfg, dtype=resolve_dtype(dtype)), src, eagle3_sources, read)
+    model = fill_params(lambda: Eagle3Draft(cfg, dtype=resolve_dtype(dtype)), src, drafter_sources, read)
     return model, cfg
 
 

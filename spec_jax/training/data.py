@@ -67,13 +67,15 @@ def greedy_continue(model, prompts: jax.Array, n_new: int) -> jax.Array:
     Prefill in one pass, then one token per step in a lax.scan (call inside jit)."""
     B, P = prompts.shape
     L = P + n_new
-    hidden, cache = model(prompts, full_batch(B, P), model.init_cache(B, L), kv_len=L)
+    out = model(prompts, full_batch(B, P), model.init_cache(B, L), kv_len=L)
+    hidden, cache = out.hidden, out.cache
     first = jnp.argmax(model.logits(hidden[:, -1]), axis=-1).astype(jnp.int32)
     ones = jnp.ones((B,), jnp.int32)
 
     def step(carry, i):
         token, cache = carry
-        h, cache = model(token[:, None], Batch(jnp.full((B,), P + i, jnp.int32), ones), cache, kv_len=L)
+        out = model(token[:, None], Batch(jnp.full((B,), P + i, jnp.int32), ones), cache, kv_len=L)
+        h, cache = out.hidden, out.cache
         return (jnp.argmax(model.logits(h[:, 0]), axis=-1).astype(jnp.int32), cache), token
 
     _, new = jax.lax.scan(step, (first, cache), jnp.arange(n_new))

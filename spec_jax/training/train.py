@@ -170,7 +170,7 @@ def target_loss(model: Qwen3_5Model, windows: jax.Array, mtp_weight: float):
     hidden state at p and the embedding of token p+1 it predicts token p+2."""
     B, T = windows.shape[0], windows.shape[1] - 1
     x, y = windows[:, :-1], windows[:, 1:]
-    hidden, _ = model(x, full_batch(B, T), model.init_cache(B, T), kv_len=T)
+    hidden = model(x, full_batch(B, T), model.init_cache(B, T), kv_len=T).hidden
     logits = model.logits(hidden)
     ce = cross_entropy(logits, y).mean()
     mtp_cache = init_mtp_cache(model.cfg, B, T - 1, model.dtype)
@@ -226,7 +226,7 @@ def dflash_loss(draft: DFlashDraft, target: Qwen3_5Model, seqs: jax.Array, ancho
     cfg = draft.cfg
     B, T = seqs.shape
     A, bs = anchors.shape[1], cfg.block_size
-    out, _ = target(seqs, full_batch(B, T), target.init_cache(B, T), kv_len=T, taps=cfg.target_layer_ids)
+    out = target(seqs, full_batch(B, T), target.init_cache(B, T), kv_len=T, taps=cfg.target_layer_ids)
     ctx_k, ctx_v = draft.context_kv(out.taps, jnp.broadcast_to(jnp.arange(T), (B, T)))  # [layers, B, T, kv, d]
     positions = (anchors[..., None] + jnp.arange(bs)).reshape(B * A, bs)
     rows = jnp.repeat(jnp.arange(B), A)
@@ -293,9 +293,9 @@ def draft_loss(draft: Qwen3Model, target: Qwen3_5Model, windows: jax.Array):
     """Distillation: cross entropy of the draft against the target's next-token distribution."""
     B, T = windows.shape
     batch = full_batch(B, T)
-    t_hidden, _ = target(windows, batch, target.init_cache(B, T), kv_len=T)
+    t_hidden = target(windows, batch, target.init_cache(B, T), kv_len=T).hidden
     t_logits = target.logits(t_hidden)
-    d_hidden, _ = draft(windows, batch, draft.init_cache(B, T), kv_len=T)
+    d_hidden = draft(windows, batch, draft.init_cache(B, T), kv_len=T).hidden
     d_logits = draft.logits(d_hidden)
     loss = -(jax.nn.softmax(t_logits) * jax.nn.log_softmax(d_logits)).sum(-1).mean()
     agree = (jnp.argmax(d_logits, -1) == jnp.argmax(t_logits, -1)).mean()

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from models.dflash import DFlashConfig, DFlashDraft
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.qwen3_5 import Qwen3_5Config
-from spec_jax.loading.drafters import dflash_sources, eagle3_sources
+from spec_jax.loading.drafters import dflash_sources, drafter_sources
 from spec_jax.loading.source import abstract_model, is_stacked, load_config, param_sources
 
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -187,7 +187,7 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     tensors = {}
-    for name, shape in tensor_slots(lambda: Eagle3Draft(cfg), eagle3_sources):
+    for name, shape in tensor_slots(lambda: Eagle3Draft(cfg), drafter_sources):
         if name == "d2t":
             ids = np.sort(rng.choice(cfg.vocab_size, cfg.draft_vocab_size, replace=False))
             tensors[name] = (ids - np.arange(cfg.draft_vocab_size)).astype(np.int64)
