@@ -15,7 +15,7 @@ FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SPEC_JAX_XLA_CACHE", str(Path(__file__).parent.parent / ".venv" / "xla-cache"))
-if FAST_COMPILE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # xdist workers inherit the controller's
+if FAST_COMPILE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once: a pytest started from a test sees them set
     os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 
@@ -26,7 +26,7 @@ from spec_jax.engine.steps import enable_compilation_cache  # noqa: E402
 from spec_jax.writing.random_checkpoint import write_checkpoint  # noqa: E402
 
 # Every test shares the persistent compilation cache, not only those that build an LLM: a program
-# compiled by another test or another xdist worker is read back instead of compiled again.
+# another test compiled is read back instead of compiled again.
 enable_compilation_cache()
 
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"

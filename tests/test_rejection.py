@@ -111,7 +111,6 @@ def plain_two_tokens(echo_dir) -> np.ndarray:
     return second_tokens(echo_dir, None, range(N_REQUESTS))
 
 
-@pytest.mark.xdist_group("plain_two_tokens")  # one worker samples the plain side once for all three
 @pytest.mark.parametrize("draft_sample_method,draft_vocab_size",
                          [("greedy", None), ("probabilistic", None), ("probabilistic", 24)])
 def test_end_to_end_first_speculative_token_matches_plain(echo_dir, plain_two_tokens, draft_sample_method,
