@@ -9,12 +9,19 @@ and the target's lm_head: block_size - 1 drafts. Checkpoint names are z-lab's: `
 `hidden_norm.weight`, `norm.weight`, `layers.{i}.*` as in Qwen3 (plain RMSNorm, q/k norms).
 
 DSpark is the same backbone plus a low-rank Markov head (`markov_head.markov_w1` [V, r],
-`markov_head.markov_w2` [V, r]) whose bias W2 W1[previous token] is added to each position's
+`markov_head.markov_w2` [Vd, r]) whose bias W2 W1[previous token] is added to each position's
 logits while sampling left to right; with `sample_from_anchor` every query, the anchor
 included, predicts the token after it. Its configs come natively (`Qwen3DSparkModel`, flat
 keys) or in the Speculators layout (`speculators_model_type: dspark`, the layer geometry under
 `transformer_layer_config`, `aux_hidden_state_layer_ids` counted as the hidden state entering
 a layer, so one more than our layer index).
+
+A reduced draft vocabulary (`draft_vocab_size` Vd < `vocab_size` V) works as EAGLE-3's: the
+drafter carries its own `lm_head.weight` [Vd, H] and `d2t` [Vd], draft id d standing for target
+id d + d2t[d]. Logits and the Markov bias live in draft space; `to_target_vocab` scatters them
+to the target's ids with -inf elsewhere, so every draft is a draft-vocabulary token and a
+sampled draft's q is a distribution over the target vocabulary. The previous token that W1
+reads is always a target id (the anchor is one), so W1 keeps all V rows.
 """
 
 from __future__ import annotations
@@ -58,11 +65,22 @@ class DFlashConfig:
     def method(self) -> str:
         return "dspark" if self.markov_rank else "dflash"
 
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether the drafter predicts over its own smaller vocabulary (an lm_head and d2t of its own)."""
+        sizes = (self.draft_vocab_size, self.vocab_size)
+        return None not in sizes and self.draft_vocab_size < self.vocab_size
+
+    @property
+    def output_vocab_size(self) -> int | None:
+        """Vd, the size of the vocabulary the drafter's logits cover (the target's V unless reduced)."""
+        return self.draft_vocab_size if self.reduced_vocab else self.vocab_size
+
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "DFlashConfig":
         """Build from a DFlash or DSpark checkpoint's `config.json` (z-lab, native DeepSeek or
         Speculators layout); refuses what we do not run (DFlash2's convolutions and candidate
-        selector, sliding-window or causal layers, gated/RNN Markov heads, reduced vocabularies)."""
+        selector, sliding-window or causal layers, gated/RNN Markov heads)."""
         if config.get("speculators_model_type") == "dspark":
             config = speculators_to_native(config)
         arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
@@ -77,10 +95,9 @@ class DFlashConfig:
         if merged.get("markov_rank") and merged.get("markov_head_type", "vanilla") != "vanilla":
             raise ValueError(f"markov_head_type {merged['markov_head_type']!r} is not supported; spec_jax runs the "
                              f"vanilla Markov head (as vLLM does at inference)")
-        draft_vocab = merged.get("draft_vocab_size")
-        if draft_vocab is not None and merged.get("vocab_size") is not None and draft_vocab < merged["vocab_size"]:
-            raise ValueError(f"reduced-vocabulary drafters (draft_vocab_size {draft_vocab} < vocab_size "
-                             f"{merged['vocab_size']}, with a d2t table) are not supported")
+        if merged.get("draft_vocab_size") is not None and merged.get("vocab_size") is None:
+            raise ValueError(f"draft_vocab_size {merged['draft_vocab_size']} needs vocab_size, the target "
+                             f"vocabulary its d2t table maps into")
         if "sliding_attention" in (config.get("layer_types") or []) or config.get("is_causal"):
             raise ValueError("DFlash drafters with sliding-window or causal layers are not supported")
         rope = config.get("rope_parameters") or {}
@@ -110,15 +127,16 @@ def speculators_to_native(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class MarkovHead(nnx.Module):
-    """DSpark's vanilla Markov head: bias(prev) = W2 W1[prev], W1 [V, r] (an embedding),
-    W2 [V, r] (a linear r -> V)."""
+    """DSpark's vanilla Markov head: bias(prev) = W2 W1[prev], W1 [V, r] (an embedding over the
+    target vocabulary, as the previous token is a target id), W2 [Vd, r] (a linear r -> Vd, onto
+    the draft vocabulary the logits cover)."""
 
-    def __init__(self, vocab: int, rank: int, *, dtype=jnp.float32):
+    def __init__(self, vocab: int, draft_vocab: int, rank: int, *, dtype=jnp.float32):
         self.markov_w1 = nnx.Param(jnp.zeros((vocab, rank), dtype))
-        self.markov_w2 = Linear(rank, vocab, dtype=dtype)
+        self.markov_w2 = Linear(rank, draft_vocab, dtype=dtype)
 
     def __call__(self, prev: jax.Array) -> jax.Array:
-        """prev [B] token ids -> float32 bias [B, V]."""
+        """prev [B] target token ids -> float32 bias over the draft vocabulary [B, Vd]."""
         return self.markov_w2(self.markov_w1[...][prev]).astype(jnp.float32)
 
 
@@ -158,8 +176,11 @@ class DFlashDraft(nnx.Module):
         self.norm = PlainRMSNorm(H, cfg.rms_norm_eps)
         self.layers = nnx.List([DFlashLayer(cfg, stack=(cfg.num_hidden_layers,), dtype=dtype)])
         self.unstacked = nnx.data(None)  # the layers with arrays of their own, after `use_decode_layout`
-        vocab = cfg.draft_vocab_size or cfg.vocab_size
-        self.markov_head = MarkovHead(vocab, cfg.markov_rank, dtype=dtype) if cfg.markov_rank else None
+        # A reduced vocabulary needs a head of its own: the target's lm_head covers other ids.
+        self.lm_head = Linear(H, cfg.draft_vocab_size, dtype=dtype) if cfg.reduced_vocab else None
+        self.d2t = nnx.Param(jnp.zeros((cfg.draft_vocab_size,), jnp.int32)) if cfg.reduced_vocab else None
+        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.output_vocab_size, cfg.markov_rank, dtype=dtype)
+                            if cfg.markov_rank else None)
 
     def use_decode_layout(self) -> None:
         """Every layer's weights as arrays of their own, run unrolled: inside the decode loop XLA
@@ -200,3 +221,21 @@ class DFlashDraft(nnx.Module):
 
         x, _ = self._scan(layer_fn, (cache.k, cache.v), x.astype(self.dtype))
         return self.norm(x)
+
+    def draft_vocab_logits(self, hidden, target_logits):
+        """Post-norm hidden [..., H] -> float32 logits over the draft vocabulary [..., Vd]: the
+        drafter's own lm_head when its vocabulary is reduced, else `target_logits` (the target's
+        lm_head, Vd = V)."""
+        if self.lm_head is None:
+            return target_logits(hidden)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def to_target_vocab(self, logits):
+        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V]: draft id d lands
+        on target id d + d2t[d], every other id gets -inf (never drafted, probability 0). The
+        identity when the vocabulary is not reduced."""
+        if self.d2t is None:
+            return logits
+        target_ids = jnp.arange(self.cfg.draft_vocab_size) + self.d2t[...]
+        full = jnp.full((*logits.shape[:-1], self.cfg.vocab_size), -jnp.inf, logits.dtype)
+        return full.at[..., target_ids].set(logits)

@@ -4,6 +4,10 @@ context of every committed position's target-layer features (z-lab's block diffu
 The context K/V lives in the drafter's own cache, one slot per position. After each verify
 pass the verified positions' features (the target's taps) are written to their slots; a row's
 length decides which slots are read, so rollback is the length, as for attention.
+
+A drafter with a reduced vocabulary scores its own ids; `choose` always sees target-vocabulary
+logits (`DFlashDraft.to_target_vocab`), so drafts are target ids and a sampled draft's q covers
+the target vocabulary, as the rejection sampler needs.
 """
 
 from __future__ import annotations
@@ -29,12 +33,17 @@ class DFlashProposer:
     final_logit_softcapping: float | None = None
 
     def scaled_logits(self, logits):
-        """The drafter's output multiplier and soft cap on the target lm_head's logits."""
+        """The drafter's output multiplier and soft cap on its draft-vocabulary logits (before the
+        scatter to the target vocabulary: the cap would turn its -inf into a finite -cap)."""
         logits = logits * self.output_multiplier
         if self.final_logit_softcapping:
             cap = self.final_logit_softcapping
             logits = jnp.tanh(logits / cap) * cap
         return logits
+
+    def draft_logits(self, model, draft, hidden):
+        """Post-norm block outputs [B, T, H] -> scaled float32 logits over the draft vocabulary [B, T, Vd]."""
+        return self.scaled_logits(draft.draft_vocab_logits(hidden, model.logits))
 
     def _write_context(self, draft, cache: KVCache, taps, start) -> KVCache:
         """Context K/V of taps [B, T, n*H] into slots start [B] + 0..T-1."""
@@ -56,7 +65,7 @@ class DFlashProposer:
         positions = lengths[:, None] - 1 + jnp.arange(self.k + 1)[None, :]
         x = model.embed(block) * self.input_embedding_scale
         h = draft.block(x, positions, cache, lengths - 1)  # the context is every committed position
-        logits = self.scaled_logits(model.logits(h[:, 1:]))
+        logits = draft.to_target_vocab(self.draft_logits(model, draft, h[:, 1:]))
         picks = [choose(logits[:, j], lengths + j) for j in range(self.k)]
         q = None if picks[0][1] is None else jnp.stack([p[1] for p in picks], axis=1)
         return jnp.stack([p[0] for p in picks], axis=1), jnp.full_like(lengths, self.k), q, cache

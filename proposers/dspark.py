@@ -5,6 +5,10 @@ The sequential stage is a `lax.scan` inside the jitted step — no host round tr
 (the seed engine's host loop is what made its DSpark slower than plain decoding). With
 `sample_from_anchor` the block is [newest, MASK x (k - 1)] and query j predicts the token after
 it; otherwise it is DFlash's [newest, MASK x k] with the anchor's output dropped.
+
+With a reduced vocabulary the bias is added in draft space (W2 covers the draft vocabulary) and
+the sum scattered to the target's ids before `choose`; the chosen target id is the next
+position's previous token (W1 covers the target vocabulary).
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ class DSparkProposer(DFlashProposer):
         block = jnp.concatenate([newest[:, None], jnp.full((B, queries - 1), self.mask_token_id, jnp.int32)], axis=1)
         positions = lengths[:, None] - 1 + jnp.arange(queries)[None, :]
         h = draft.block(model.embed(block) * self.input_embedding_scale, positions, cache, lengths - 1)
-        base = self.scaled_logits(model.logits(h if self.sample_from_anchor else h[:, 1:]))  # [B, k, V]
+        base = self.draft_logits(model, draft, h if self.sample_from_anchor else h[:, 1:])  # [B, k, Vd]
 
         def position(prev, xs):
             j, logits = xs
-            token, q = choose(logits + draft.markov_head(prev), lengths + j)
+            token, q = choose(draft.to_target_vocab(logits + draft.markov_head(prev)), lengths + j)
             return token, (token, q)
 
         _, (drafts, q) = jax.lax.scan(position, newest, (jnp.arange(self.k), jnp.moveaxis(base, 1, 0)))

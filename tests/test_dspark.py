@@ -96,7 +96,7 @@ def test_method_must_match_the_checkpoint(tiny_llm, dspark_dir):
 
 @pytest.mark.parametrize("change, message", [
     ({"markov_head_type": "gated"}, "markov_head_type 'gated' is not supported"),
-    ({"draft_vocab_size": 256}, "reduced-vocabulary drafters"),
+    ({"draft_vocab_size": 256}, "no 'lm_head.weight' or 'd2t'; a reduced-vocabulary drafter needs its own lm_head"),
 ])
 def test_unsupported_dspark_configs(tiny_llm, tmp_path, change, message):
     d = write_dflash_checkpoint(tmp_path / "d", DSPARK, layout="dspark")

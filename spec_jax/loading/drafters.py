@@ -8,12 +8,14 @@ import dataclasses
 import os
 from pathlib import Path
 
+import numpy as np
+
 from models.dflash import DFlashConfig, DFlashDraft
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.qwen3_5 import Qwen3_5Config
 from spec_jax.loading import load_model
 from spec_jax.loading.qwen3 import load_qwen3
-from spec_jax.loading.source import TensorSource, fill_params, read_config, read_json, resolve_dtype
+from spec_jax.loading.source import CheckpointError, TensorSource, fill_params, read_config, read_json, resolve_dtype
 
 # Bare arrays (not Linears) that the published layouts store as `<name>.weight`.
 EMBEDDINGS = {("markov_head", "markov_w1"), ("embed_tokens",)}
@@ -51,16 +53,53 @@ def check_dflash_fits(cfg: DFlashConfig, target: Qwen3_5Config, where: str) -> N
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         raise ValueError(f"{cfg.method} drafter {where} has mask_token_id {cfg.mask_token_id} outside the target's "
                          f"vocabulary of {target.vocab_size}")
+    # The Markov head's W1 and a d2t table index the target's token ids, so they need its vocabulary.
+    if (cfg.markov_rank or cfg.reduced_vocab) and cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"{cfg.method} drafter {where} has vocab_size {cfg.vocab_size} but the target has "
+                         f"{target.vocab_size}")
+
+
+def check_draft_vocab(src: TensorSource, cfg: DFlashConfig, target_vocab_size: int, where: str) -> None:
+    """A reduced-vocabulary drafter must carry its own `lm_head.weight` and a `d2t` of draft_vocab_size
+    entries that sends every draft id d to a distinct target id d + d2t[d] inside the target's
+    vocabulary: an id outside it cannot be verified, and two draft ids on one target id would
+    leave the scattered logits ambiguous."""
+    if not cfg.reduced_vocab:
+        return
+    Vd = cfg.draft_vocab_size
+    missing = [name for name in ("lm_head.weight", "d2t") if name not in src]
+    if missing:
+        raise CheckpointError(f"{cfg.method} drafter {where} has draft_vocab_size {Vd} < vocab_size {cfg.vocab_size} "
+                              f"but no {' or '.join(map(repr, missing))}; a reduced-vocabulary drafter needs its own "
+                              f"lm_head over the draft vocabulary and the d2t table mapping it to target ids")
+    d2t = np.asarray(src.get("d2t"))
+    if d2t.shape != (Vd,):
+        raise CheckpointError(f"{cfg.method} drafter {where}: 'd2t' has shape {d2t.shape}, but draft_vocab_size "
+                              f"{Vd} needs one entry per draft id, shape ({Vd},)")
+    target_ids = np.arange(Vd) + d2t.astype(np.int64)
+    outside = np.flatnonzero((target_ids < 0) | (target_ids >= target_vocab_size))
+    if outside.size:
+        d = int(outside[0])
+        raise CheckpointError(f"{cfg.method} drafter {where}: 'd2t' maps draft id {d} to target id "
+                              f"{int(target_ids[d])}, outside the target's vocabulary 0..{target_vocab_size - 1}")
+    ids, counts = np.unique(target_ids, return_counts=True)
+    if (counts > 1).any():
+        t = int(ids[counts > 1][0])
+        a, b = np.flatnonzero(target_ids == t)[:2].tolist()
+        raise CheckpointError(f"{cfg.method} drafter {where}: 'd2t' maps draft ids {a} and {b} both to target "
+                              f"id {t}; each draft id needs a target id of its own")
 
 
 def load_dflash(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="float32"):
     """A DFlash or DSpark checkpoint -> (DFlashDraft, DFlashConfig), refused by name if it does not
     fit `target`."""
     cfg = read_config(model_dir, DFlashConfig.from_hf)
-    check_dflash_fits(cfg, target, repr(str(model_dir)))
+    where = repr(str(model_dir))
+    check_dflash_fits(cfg, target, where)
+    src = TensorSource(model_dir)
+    check_draft_vocab(src, cfg, target.vocab_size, where)
     dtype = resolve_dtype(dtype)
-    model = fill_params(lambda: DFlashDraft(cfg, dtype=dtype), TensorSource(model_dir),
-                        lambda path: dflash_sources(path, cfg))
+    model = fill_params(lambda: DFlashDraft(cfg, dtype=dtype), src, lambda path: dflash_sources(path, cfg))
     return model, cfg
 
 
