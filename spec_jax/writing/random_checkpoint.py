@@ -129,6 +129,21 @@ def write_checkpoint(out_dir: str | Path, cfg: Qwen3_5Config, *, seed: int = 0, 
 
 
 
+def random_d2t(vocab: int, draft_vocab: int, rng: np.random.Generator) -> np.ndarray:
+    """A `d2t` table for a draft vocabulary of `draft_vocab` ids: a random sorted subset of the
+    target's `vocab` ids, stored as offsets (target id = d + d2t[d]) in int64 as Speculators save it."""
+    ids = np.sort(rng.choice(vocab, draft_vocab, replace=False))
+    return (ids - np.arange(draft_vocab)).astype(np.int64)
+
+
+def t2d_from_d2t(vocab: int, d2t: np.ndarray) -> np.ndarray:
+    """Speculators' `t2d` [V] bool: which target ids the draft vocabulary holds (training-only;
+    inference reads d2t)."""
+    t2d = np.zeros((vocab,), bool)
+    t2d[np.arange(d2t.shape[0]) + d2t] = True
+    return t2d
+
+
 def drafter_config_json(cfg, layout: str) -> dict:
     """The config.json of a block drafter in a published layout: "dflash" (z-lab), "dspark"
     (native DeepSeek `Qwen3DSparkModel`) or "speculators" (vLLM Speculators' DSpark)."""
@@ -145,11 +160,13 @@ def drafter_config_json(cfg, layout: str) -> dict:
                 "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
                                   "target_layer_ids": list(cfg.target_layer_ids)}}
     if layout == "dspark":
-        return {"architectures": ["Qwen3DSparkModel"], **layers, **markov, "block_size": cfg.block_size,
-                "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+        draft_vocab = {"draft_vocab_size": cfg.draft_vocab_size} if cfg.reduced_vocab else {}
+        return {"architectures": ["Qwen3DSparkModel"], **layers, **markov, **draft_vocab,
+                "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": list(cfg.target_layer_ids)}
     return {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
             "transformer_layer_config": layers, **markov, "block_size": cfg.block_size,
-            "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.vocab_size,
+            "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.output_vocab_size,
             "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # the hidden entering layer i + 1
             "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
                                    "proposal_methods": [{"proposal_type": "greedy",
@@ -161,13 +178,19 @@ def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, layout: 
     """A random block drafter: DFlash in z-lab's layout, or DSpark (cfg.markov_rank > 0) in the
     native or Speculators layout. Tensors: `fc.weight`, `hidden_norm.weight`, `norm.weight`,
     `layers.{i}.self_attn.*`, ..., and for DSpark `markov_head.markov_w{1,2}.weight` and
-    `confidence_head.proj.*` (which inference does not use)."""
+    `confidence_head.proj.*` (which inference does not use). With cfg.draft_vocab_size <
+    vocab_size the vocabulary is reduced, as Speculators write it: `lm_head.weight` [Vd, H], `d2t`
+    (a random sorted subset of target ids, `random_d2t`) and the training-only `t2d`."""
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, shape in tensor_slots(lambda: DFlashDraft(cfg), lambda p: dflash_sources(p, cfg)):
+        if name == "d2t":
+            tensors[name] = random_d2t(cfg.vocab_size, cfg.draft_vocab_size, rng)
+            tensors["t2d"] = t2d_from_d2t(cfg.vocab_size, tensors[name])
+            continue
         value = random_value(name, shape, rng)
         tensors[name] = (value + 1.0 if "norm" in name else value).astype(np.float32)  # plain RMSNorm: ~1
     if cfg.markov_rank:
@@ -189,8 +212,7 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
     tensors = {}
     for name, shape in tensor_slots(lambda: Eagle3Draft(cfg), drafter_sources):
         if name == "d2t":
-            ids = np.sort(rng.choice(cfg.vocab_size, cfg.draft_vocab_size, replace=False))
-            tensors[name] = (ids - np.arange(cfg.draft_vocab_size)).astype(np.int64)
+            tensors[name] = random_d2t(cfg.vocab_size, cfg.draft_vocab_size, rng)
             continue
         value = random_value(name, shape, rng)
         value = value + 1.0 if "norm" in name else value  # plain RMSNorm: ~1
