@@ -37,7 +37,7 @@ def test_max_tokens_must_be_positive(bad):
 
 
 @pytest.mark.parametrize("kwargs, name", [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
-                                          ({"top_k": -2}, "top_k"), ({"n": 2}, "n=2")])
+                                          ({"top_k": -2}, "top_k"), ({"n": 0}, "n=0")])
 def test_bad_sampling_params(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from spec_jax import LLM, SamplingParams
-from spec_jax.engine.sampling import RowSampling, accept_drafts, warp_logits
+from spec_jax.engine.sampling import RowSampling, accept_drafts, process_logits, warp_logits
 
 N, V, K = 40000, 6, 2
 P_VALUE = 1e-3  # fixed seeds make each test deterministic; this only sizes the bound
@@ -71,6 +71,21 @@ def test_filters_shape_the_verified_distribution():
     logits, drafts, q, params = toy(temperature=0.7, top_k=4, top_p=0.9, seed=2)
     _, emitted = accept(logits, drafts, jnp.full(N, K), q, params, jnp.zeros(N, jnp.int32), do_sample=True)
     assert_distribution(emitted[:, 0], target_p(logits, params))
+
+
+def test_min_p_logit_bias_and_min_tokens_shape_the_verified_distribution():
+    """The processors vLLM applies before sampling (a bias with a banned token, min_tokens' ban on
+    a stop id) and min_p after temperature: verified tokens follow the processed target."""
+    logits, drafts, q, params = toy(temperature=0.8, seed=4)
+    bias = jnp.broadcast_to(jnp.asarray([0.0, 2.0, -jnp.inf, 0.0, -1.0, 0.0], jnp.float32), (N, V))
+    min_tokens = (jnp.full(N, 5, jnp.int32), jnp.full((N, 1), 3, jnp.int32))  # token 3 banned below position 5
+    params = dataclasses.replace(params, min_p=jnp.full(N, 0.05, jnp.float32), bias=bias, min_tokens=min_tokens)
+    positions = jnp.zeros(N, jnp.int32)
+    processed = process_logits(logits, params, positions[:, None] + jnp.arange(K + 1)[None, :])
+    _, emitted = accept(processed, drafts, jnp.full(N, K), q, params, positions, do_sample=True)
+    p = target_p(processed, params)
+    assert p[2] == p[3] == 0 and p[1] > 0
+    assert_distribution(emitted[:, 0], p)
 
 
 def test_rows_without_drafts_sample_the_target():

@@ -16,8 +16,9 @@ from conftest import TINY
 from fastapi.testclient import TestClient
 
 from spec_jax import LLM, SamplingParams
+from spec_jax.api.chat import ChatTemplate, RequestError, read_chat_template
 from spec_jax.api.scheduler import Scheduler
-from spec_jax.api.server import APIError, ChatTemplate, Server, build_app, read_chat_template
+from spec_jax.api.server import Server, build_app
 from spec_jax.default_model import train_tokenizer
 from spec_jax.loading.tokenizer import Tokenizer
 
@@ -187,7 +188,7 @@ def test_abandoned_non_streaming_requests_free_their_slots(served):
 BAD = [
     ({"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
     ({"prompt": "x", "temperature": -0.5}, 400, "temperature", None),
-    ({"prompt": "x", "n": 2}, 400, "n", None),
+    ({"prompt": "x", "n": 0}, 400, "n", None),
     ({"prompt": "x", "top_p": 0}, 400, "top_p", None),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
     ({"prompt": [1] * 300}, 400, "prompt", "context_length_exceeded"),
@@ -291,7 +292,7 @@ def test_chat_template_from_tokenizer_config(tmp_path):
          "chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": template}]}))
     chat = ChatTemplate(read_chat_template(tmp_path), "<s>", "</s>")
     assert chat.render([{"role": "user", "content": "é"}]) == '<s>user:"é"</s>'
-    with pytest.raises(APIError, match="bad role tool"):
+    with pytest.raises(RequestError, match="bad role tool"):
         chat.render([{"role": "tool", "content": "x"}])
 
 
@@ -325,3 +326,18 @@ def test_scheduler_speculates_per_slot(echo_dir):
         assert {k: m[k] for k in keys} == {k: out.metrics[k] for k in keys}
     assert stats["num_accepted_tokens"] == sum(o.metrics["num_accepted_tokens"] for o in ref) > 0
     assert stats["requests_length"] == 8 and stats["running"] == stats["waiting"] == 0
+
+
+def test_n_choices_per_prompt(served):
+    """n > 1 fans each prompt out into n rows: choices numbered prompt x n + i, the i-th seeded
+    seed + i as LLM.generate does, prompt tokens counted once per prompt."""
+    url, llm, client = served
+    r = client.completions.create(model="tiny", prompt=["def f(", "class A"], max_tokens=6, temperature=1.0, n=2,
+                                  seed=3, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    ids = [llm.tokenize("def f("), llm.tokenize("class A")]
+    want = [llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(temperature=1.0, max_tokens=6, seed=s,
+                                                                              ignore_eos=True), use_tqdm=False)[0]
+            for p in ids for s in (3, 4)]
+    assert [c.token_ids for c in r.choices] == [w.outputs[0].token_ids for w in want]
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 24

@@ -49,11 +49,12 @@ class AssembledBatch:
 
 
 def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequence[int], *, rows: int,
-                   prompt_len: int, max_model_len: int, eos: Sequence[int],
-                   stop_width: int | None = None) -> AssembledBatch:
+                   prompt_len: int, max_model_len: int, eos: Sequence[int], stop_width: int | None = None,
+                   vocab_size: int | None = None, banned: Sequence[Sequence[int]] | None = None) -> AssembledBatch:
     """n = len(ids) checked prompts with their `SamplingParams` and seeds into `rows` >= n
     bucket rows of `prompt_len` >= the longest prompt. stop_width fixes the stop_ids columns
-    (default: the most stop ids any row has)."""
+    (default: the most stop ids any row has). vocab_size and banned (each row's bad-word token
+    ids) are needed only when a row sets logit_bias, allowed_token_ids or bad_words."""
     n, B = len(ids), rows
     tokens = np.zeros((B, prompt_len), np.int32)
     lengths = np.ones((B,), np.int32)
@@ -73,9 +74,51 @@ def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequen
     keys = jax.random.split(jax.random.key(0), B)
     keys = keys.at[:n].set(jnp.stack([seed_key(s) for s in seeds]))
     sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(pad((max(p.top_k, 0) for p in params), 0, np.int32)),
-                           jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys)
+                           jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys,
+                           **logit_processors(params, lengths, stop_ids, B, vocab_size, banned))
     return AssembledBatch(tokens, lengths, max_lengths, stop_ids, sampling, np.arange(B) >= n, speculate, stops,
                           bool((temperature > 0).any()))
+
+
+def reference_shape(engine: Engine, rows: int):
+    """What `proposer_reference` returns for `rows` rows, without running anything: an array for
+    synthetic rates, a shape for the oracle's continuation, else None."""
+    proposer = engine.plan.proposer if engine.plan else None
+    if isinstance(proposer, SyntheticAcceptance):
+        return jnp.asarray(proposer.reference(rows))
+    if isinstance(proposer, (OracleProposer, OracleTokens)):
+        return jax.ShapeDtypeStruct((rows, engine.cache_len), jnp.int32)
+    return None
+
+
+LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]
+
+
+def logit_processors(params: Sequence, lengths: np.ndarray, stop_ids: np.ndarray, rows: int, vocab_size: int | None,
+                     banned: Sequence[Sequence[int]] | None) -> dict:
+    """`RowSampling`'s optional fields, for the rows that use them (None when none does, so the
+    step compiles without them): min_p [B]; bias [B, V] (logit_bias clamped to +-100, -inf off
+    allowed_token_ids and on banned ids); min_tokens (end [B] = prompt length + min_tokens, stop_ids)."""
+    n = len(params)
+    out = {}
+    if any(p.min_p > 0 for p in params):
+        out["min_p"] = jnp.asarray([p.min_p for p in params] + [0.0] * (rows - n), jnp.float32)
+    banned = banned or [[] for _ in params]
+    if any(p.logit_bias or p.allowed_token_ids or b for p, b in zip(params, banned)):
+        bias = np.zeros((rows, vocab_size), np.float32)
+        for i, (p, b) in enumerate(zip(params, banned)):
+            if p.allowed_token_ids:
+                bias[i] = -np.inf
+                bias[i, list(p.allowed_token_ids)] = 0.0
+            for token, value in (p.logit_bias or {}).items():
+                bias[i, int(token)] += float(np.clip(value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT))
+            bias[i, list(b)] = -np.inf
+        out["bias"] = jnp.asarray(bias)
+    if any(p.min_tokens > 0 for p in params):
+        end = np.zeros((rows,), np.int32)
+        end[:n] = [lengths[i] + p.min_tokens for i, p in enumerate(params)]
+        out["min_tokens"] = (jnp.asarray(end), jnp.asarray(stop_ids))
+    return out
 
 
 def proposer_reference(engine: Engine, batch: AssembledBatch, plain: Callable[[], Engine], do_sample: bool):

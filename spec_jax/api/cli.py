@@ -19,12 +19,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint directory (HF safetensors) or a .gguf file; default: the embedded default model")
     p.add_argument("--dtype", default="auto", help="bfloat16, float32 or auto (bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default 4096)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="batch rows per step")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="batch rows per step (default 8, or what --gpu-memory-utilization fits up to 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative-config", default=None,
                    help="vLLM's speculative config as JSON, e.g. '{\"method\":\"ngram\",\"num_speculative_tokens\":3}'")
     p.add_argument("--rollback", default="replay", choices=["checkpoint", "replay"],
                    help="how GDN state returns to the accepted prefix after verification")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json, a directory holding one, or a cached repo id")
+    vllm = p.add_argument_group("vLLM engine arguments (spec_jax/api/engine_args.py says which are used)")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=None,
+                      help="size --max-num-seqs to this share of device memory beside the weights")
+    vllm.add_argument("--quantization", default=None, help="'fp8': quantize the projections as they load")
+    vllm.add_argument("--tensor-parallel-size", type=int, default=1)
+    vllm.add_argument("--kv-cache-dtype", default="auto")
+    for flag in ("--enforce-eager", "--trust-remote-code", "--enable-prefix-caching", "--enable-chunked-prefill",
+                 "--disable-log-stats"):
+        vllm.add_argument(flag, action="store_true", default=None, help="accepted and ignored")
+    for flag in ("--swap-space", "--max-num-batched-tokens", "--block-size"):
+        vllm.add_argument(flag, type=int, default=None, help="accepted and ignored")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,13 +99,19 @@ def parse_ids(text: str, flag: str) -> list[int]:
         raise SystemExit(f"error: {flag} {text!r} is not a comma-separated list of integers") from None
 
 
+VLLM_FLAGS = ("gpu_memory_utilization", "quantization", "tensor_parallel_size", "kv_cache_dtype", "enforce_eager",
+              "trust_remote_code", "enable_prefix_caching", "enable_chunked_prefill", "disable_log_stats", "swap_space",
+              "max_num_batched_tokens", "block_size")
+
+
 def load_llm(args):
     from spec_jax.api.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    engine_args = {name: getattr(args, name) for name in VLLM_FLAGS if getattr(args, name) is not None}
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, tokenizer=args.tokenizer,
               max_num_seqs=args.max_num_seqs, seed=args.seed, speculative_config=args.speculative_config,
-              rollback=args.rollback)
+              rollback=args.rollback, **engine_args)
     print(f"loaded {llm.model_path} ({llm.cfg.model_type}, {llm.cfg.num_hidden_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return llm

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
+import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -22,18 +25,33 @@ from tqdm import tqdm
 
 from models.qwen3_5 import CHUNK, ROLLBACKS, Qwen3_5Model
 from proposers.registry import build_proposer, target_drafter
-from spec_jax.api.batching import assemble_batch, proposer_reference
-from spec_jax.api.metrics import aggregate_metrics, request_metrics
+from spec_jax.api.batching import assemble_batch, proposer_reference, reference_shape
+from spec_jax.api.engine_args import check_quantization, checkpoint_methods
+from spec_jax.api.engine_args import resolve as resolve_engine_args
+from spec_jax.api.chat import ChatTemplate, ChatTokenizer, cut_at_stop_string
+from spec_jax.api.metrics import LifetimeCounters, aggregate_metrics, merge_metrics, request_metrics
 from spec_jax.default_model import default_model_dir
 from spec_jax.engine.spec_config import NEEDS_MODEL, parse_speculative_config
 from spec_jax.engine.steps import DecodeState, Engine, SpecPlan, enable_compilation_cache
 from spec_jax.loading import load_model
 from spec_jax.loading.drafters import load_draft
 from spec_jax.loading.gguf import find_gguf, gguf_tokenizer
+from spec_jax.loading.hub import local_checkpoint
+from spec_jax.loading.quantized import quantize_projections
 from spec_jax.loading.source import resolve_dtype
 from spec_jax.loading.tokenizer import Tokenizer
 
+log = logging.getLogger("spec_jax")
+
 DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_MAX_NUM_SEQS = 8
+MAX_NUM_SEQS_SIZED = 256  # vLLM's default max_num_seqs: the cap when gpu_memory_utilization sizes the batch
+
+
+# vLLM SamplingParams fields that change the target distribution inside the step; not built yet, so
+# anything but their neutral value is refused by name rather than silently ignored.
+NOT_YET = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": None,
+           "prompt_logprobs": None, "logits_processors": None, "truncate_prompt_tokens": None}
 
 
 @dataclasses.dataclass
@@ -41,26 +59,80 @@ class SamplingParams:
     """How to sample one request; the fields and defaults are vLLM's.
 
     temperature 0 is greedy. top_k <= 0 and top_p = 1 switch those filters off. max_tokens
-    None generates until a stop token or max_model_len.
+    None generates until a stop token or max_model_len. n completions per prompt run as rows of
+    one batch (each its own random stream; greedy ones are alike). stop: strings that end a
+    completion, found in the detokenized text (the text ends before one, or after it with
+    include_stop_str_in_output). logit_bias ({token id: bias}), allowed_token_ids, bad_words
+    (each one token of the tokenizer, with or without a leading space) and min_tokens (stop ids
+    masked until that many tokens) change what greedy picks too; min_p filters after temperature.
+    All hold with speculation on: drafts are verified against the processed distribution. The
+    fields in `NOT_YET` are accepted at their neutral values.
     """
 
     n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: list | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    logit_bias: dict | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict | None = None
     speculative: bool = True  # spec_jax extension: False opts this request out of drafting
 
     def __post_init__(self):
         """Refuse, naming the field, what is not of the field's type or range (nothing is
         coerced: 2.5 tokens or a string temperature are errors, not 2 tokens or a crash later)."""
-        check_int("n", self.n, 1, 1, "only n=1 (one completion per prompt) is supported")
+        check_int("n", self.n, 1, 4096, "must be a positive number of completions")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (vLLM's V1 engine dropped it too): "
+                             f"ask for n={self.best_of} completions and rank them yourself")
+        for name, neutral in NOT_YET.items():
+            if getattr(self, name) != neutral:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported yet; only {neutral!r} is "
+                                 f"accepted (the supported fields: n, temperature, top_p, top_k, min_p, seed, stop, "
+                                 f"stop_token_ids, bad_words, ignore_eos, max_tokens, min_tokens, logit_bias, "
+                                 f"allowed_token_ids, include_stop_str_in_output, skip_special_tokens, detokenize)")
         check_real("temperature", self.temperature, "must be >= 0 (0 means greedy)", lambda t: t >= 0)
         check_real("top_p", self.top_p, "must be in (0, 1]", lambda p: 0 < p <= 1)
+        check_real("min_p", self.min_p, "must be in [0, 1]", lambda p: 0 <= p <= 1)
+        check_int("min_tokens", self.min_tokens, 0, INT32_MAX, "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not str(token).lstrip("-").isdigit():
+                    raise ValueError(f"logit_bias key {token!r} must be a token id")
+                check_real(f"logit_bias[{token}]", bias, "must be a finite number", lambda b: True)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                                 f"{self.allowed_token_ids!r}")
+            for i, t in enumerate(self.allowed_token_ids):
+                check_int(f"allowed_token_ids[{i}]", t, 0, INT32_MAX, "must be a token id")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         check_int("top_k", self.top_k, -1, INT32_MAX, "must be -1 or 0 (off) or a positive count")
         if self.seed is not None:
             check_int("seed", self.seed, -(2**63), 2**63 - 1, "must fit in 64 bits")
@@ -71,12 +143,57 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
             for i, t in enumerate(self.stop_token_ids):
                 check_int(f"stop_token_ids[{i}]", t, 0, INT32_MAX, "must be a token id")
-        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None and (not isinstance(stops, (list, tuple)) or not all(isinstance(x, str) and x
+                                                                                  for x in stops)):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "speculative", "detokenize", "include_stop_str_in_output",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
 
 INT32_MAX = 2**31 - 1  # token ids, counts and top_k live in int32 on the device
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """vLLM's parallel sampling: n completions as n requests of one, the i-th seeded seed + i (so a
+    seeded request's samples differ from each other and repeat run to run)."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, best_of=None, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
+
+
+# generation_config.json keys vLLM reads as a request's sampling defaults.
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p", "max_new_tokens")
+
+
+def generation_defaults(model_path: str | None) -> dict:
+    """The checkpoint's generation_config.json sampling defaults as SamplingParams fields (vLLM's
+    `generation_config="auto"`); the neutral ones only where they are not yet supported."""
+    path = Path(model_path) / "generation_config.json" if model_path else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    out = {}
+    for key in GENERATION_DEFAULTS:
+        if config.get(key) is None:
+            continue
+        name = "max_tokens" if key == "max_new_tokens" else key
+        if name in NOT_YET and config[key] != NOT_YET[name]:
+            log.warning("%s sets %s=%r, which spec_jax does not support yet; requests use %r", path.name, key,
+                        config[key], NOT_YET[name])
+            continue
+        out[name] = config[key]
+    return out
 
 
 def check_int(name: str, value, lo: int, hi: int, rule: str) -> None:
@@ -100,7 +217,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (a stop token) or "length" (max_tokens or max_model_len)
+    finish_reason: str  # "stop" (a stop token or string) or "length" (max_tokens or max_model_len)
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None at EOS or length
+    cumulative_logprob: float | None = None  # vLLM's: None, as logprobs were not asked for
+    logprobs: list | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass
@@ -111,6 +234,12 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: dict
     finished: bool = True
+    prompt_logprobs: list | None = None
+
+
+def device_memory() -> dict:
+    """The first device's memory figures (`bytes_limit`, `bytes_in_use`); empty where it reports none (the CPU)."""
+    return jax.devices()[0].memory_stats() or {}
 
 
 class LLM:
@@ -126,18 +255,27 @@ class LLM:
       max_num_seqs: batch rows per step; more prompts run in several batches.
       seed: base seed for requests that do not set their own.
       speculative_config: vLLM's `--speculative-config` (dict or JSON); None runs plain decoding.
-      tokenizer: a `tokenizer.json` path (default: the checkpoint's, if it has one).
+      tokenizer: a `tokenizer.json` file, a directory holding one, or a cached HF repo id (default: the
+        checkpoint's, if it has one).
       rollback: how GDN state returns to the accepted prefix after a verify pass: "checkpoint"
         (keep the state after every verified token and select) or "replay" (keep the delta-rule
         inputs and re-run the accepted prefix). See BENCHMARKS.md for which is faster.
+      **kwargs: vLLM's other engine arguments (`engine_args`): `gpu_memory_utilization` sizes
+        max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
+        or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
+        be ignored; multi-device ones above 1 are refused.
     """
 
     def __init__(self, model: str | Qwen3_5Model | None = None, *, dtype: str = "auto",
-                 max_model_len: int | None = None,
-                 max_num_seqs: int = 8, seed: int = 0, speculative_config=None, tokenizer: str | None = None,
-                 rollback: str = "replay"):
+                 max_model_len: int | None = None, max_num_seqs: int | None = None, seed: int = 0,
+                 speculative_config=None, tokenizer: str | None = None, rollback: str = "replay", **kwargs):
+        engine_args = resolve_engine_args(kwargs)
         if model is None:
             model = str(default_model_dir())
+        if isinstance(model, Path):
+            model = str(model)
+        if isinstance(model, str):
+            model = local_checkpoint(model)
         loaded = model if isinstance(model, Qwen3_5Model) else None
         if loaded is not None:
             model, dtype = None, jnp.dtype(loaded.dtype).name
@@ -150,28 +288,44 @@ class LLM:
         gguf_file = find_gguf(model) if model is not None else None
         if gguf_file is not None and spec is not None and spec.method == "dspark":
             raise ValueError(f"speculative method 'dspark' needs a safetensors target, not the GGUF file {model!r}")
+        asked_seqs = max_num_seqs
+        if max_num_seqs is None:  # vLLM's cap when memory sizes the batch; a small default otherwise
+            max_num_seqs = MAX_NUM_SEQS_SIZED if engine_args.gpu_memory_utilization else DEFAULT_MAX_NUM_SEQS
         check_int("max_num_seqs", max_num_seqs, 1, 4096, "must be between 1 and 4096")
+        quantize_to = None if loaded is not None else check_quantization(engine_args.quantization,
+                                                                           checkpoint_methods(model))
         check_int("seed", seed, -(2**63), 2**63 - 1, "must fit in 64 bits")
         if max_model_len is not None:
             check_int("max_model_len", max_model_len, 2, INT32_MAX, "must be at least 2")
         enable_compilation_cache()
         self.model_path = model
         self.model, self.cfg = (loaded, loaded.cfg) if loaded is not None else load_model(model, dtype)
+        if quantize_to is not None:
+            quantize_projections(self.model, quantize_to)
         limit = self.cfg.max_position_embeddings
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit) if max_model_len is None else max_model_len
         if not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
         self.max_model_len = max_model_len
         self._set_speculation(speculative_config, rollback, max_num_seqs)
+        if engine_args.gpu_memory_utilization is not None:
+            self._size_batch(engine_args.gpu_memory_utilization, explicit=asked_seqs is not None)
         self.metrics: dict = {}
+        if tokenizer:
+            tokenizer = local_checkpoint(str(tokenizer))  # a file, a directory, or a cached repo id
         tok_path = Path(tokenizer) if tokenizer else Path(model) / "tokenizer.json" if model else None
+        if tok_path is not None and tok_path.is_dir():
+            tok_path = tok_path / "tokenizer.json"
         self.tokenizer = Tokenizer(tok_path) if tok_path is not None and tok_path.exists() else None
         if tokenizer and self.tokenizer is None:
-            raise ValueError(f"tokenizer file {tokenizer!r} does not exist")
+            raise ValueError(f"tokenizer {tokenizer!r} has no tokenizer.json")
         if not tokenizer and gguf_file is not None:
             self.tokenizer = gguf_tokenizer(gguf_file)  # tokenizer.json beside it, else the GGUF's own vocabulary
         self.seed = seed
-        self._requests = 0
+        self._requests = 0  # rows started: an unseeded row's seed
+        self._request_ids = itertools.count()
+        self.lifetime = LifetimeCounters()
+        self.generation_defaults = generation_defaults(self.model_path)
 
     def _set_speculation(self, speculative_config, rollback: str, max_num_seqs: int, draft=None) -> None:
         spec = parse_speculative_config(speculative_config, target_model=self.model_path,
@@ -197,6 +351,38 @@ class LLM:
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
                              draft=draft)
 
+    def _size_batch(self, utilization: float, *, explicit: bool) -> None:
+        """vLLM's gpu_memory_utilization: the rows of caches that fit in that share of the device's
+        memory beside what is loaded, capped at max_num_seqs; says what it chose."""
+        asked = self.engine.max_num_seqs
+        stats = device_memory()
+        if not stats.get("bytes_limit"):
+            log.info("gpu_memory_utilization=%s: the %s device reports no memory limit; max_num_seqs stays %d",
+                     utilization, jax.default_backend(), asked)
+            return
+        row = self._row_bytes()
+        budget = utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        fit = int(budget // row)
+        if fit < 1:
+            raise ValueError(f"gpu_memory_utilization={utilization} leaves {budget / 1e9:.2f} GB beside the "
+                             f"{stats.get('bytes_in_use', 0) / 1e9:.2f} GB loaded, less than one row of caches "
+                             f"({row / 1e9:.3f} GB at max_model_len {self.max_model_len}); raise it or lower "
+                             f"max_model_len")
+        chosen = min(asked, fit)
+        log.info("gpu_memory_utilization=%s: %.2f GB for caches at %.3f GB a row (max_model_len %d): max_num_seqs %d "
+                 "(%s %d)", utilization, budget / 1e9, row / 1e9, self.max_model_len, chosen,
+                 "asked" if explicit else "cap", asked)
+        self.engine.max_num_seqs = chosen  # before anything compiles: it only bounds the batch buckets
+
+    def _row_bytes(self) -> int:
+        """Device bytes a batch row adds: its `DecodeState` and a step's float32 logits, probabilities
+        and draws over the k + 1 verified positions."""
+        batch = assemble_batch([[0]], [SamplingParams()], [0], rows=1, prompt_len=self.engine.prompt_bucket(1),
+                               max_model_len=self.max_model_len, eos=self.cfg.eos_token_id)
+        state = self.engine.row_bytes(*batch.inputs(), jnp.asarray(batch.speculate), reference_shape(self.engine, 1))
+        k = self.engine.plan.k if self.engine.plan else 0
+        return state + 3 * (k + 1) * self.cfg.vocab_size * 4
+
     def with_speculation(self, speculative_config, *, rollback: str = "replay", draft=None) -> "LLM":
         """The same loaded weights with another speculative config (None: plain decoding), for
         comparing methods without reloading. Compiled executables are per config.
@@ -208,7 +394,7 @@ class LLM:
             raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
         other = copy.copy(self)
         other._set_speculation(speculative_config, rollback, self.engine.max_num_seqs, draft)
-        other.metrics, other._plain_engine = {}, None
+        other.metrics, other._plain_engine, other.lifetime = {}, None, LifetimeCounters()
         return other
 
     # ------------------------------------------------------------------ inputs
@@ -252,40 +438,115 @@ class LLM:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete each prompt (text, or token ids through `prompt_token_ids`).
-
-        sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
-        Prompts run in batches of up to max_num_seqs rows. Returns one RequestOutput per prompt,
-        in order.
-        """
+    def _prompts(self, prompts, prompt_token_ids) -> list[tuple[str | None, list[int]]]:
+        """vLLM's prompt forms -> (text or None, checked ids) each: a string, a {"prompt": text} or
+        {"prompt_token_ids": ids} dict, or a list of these; or token-id lists via prompt_token_ids."""
         if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("pass exactly one of prompts (text) or prompt_token_ids")
-        if prompts is not None:
-            prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-            ids = [self._check_ids(self._encode(p, f"prompt {i}"), f"prompt {i}") for i, p in enumerate(prompts)]
-        else:
+            raise ValueError("pass exactly one of prompts (text, or vLLM's prompt dicts) or prompt_token_ids")
+        if prompt_token_ids is not None:
             if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence | np.ndarray):
                 raise ValueError(f"prompt_token_ids must be a list of token-id lists, got {prompt_token_ids!r}")
-            ids = [self._check_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
-            prompts = [None] * len(ids)
+            return [(None, self._check_ids(p, f"prompt_token_ids[{i}]")) for i, p in enumerate(prompt_token_ids)]
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        out = []
+        for i, item in enumerate(items):
+            what = f"prompt {i}"
+            if isinstance(item, dict):
+                known = {"prompt", "prompt_token_ids"}
+                if len(known & item.keys()) != 1 or item.keys() - known - {"multi_modal_data", "cache_salt"}:
+                    raise ValueError(f"{what}: a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids', "
+                                     f"got keys {sorted(item)}")
+                if item.get("multi_modal_data"):
+                    raise ValueError(f"{what}: multi_modal_data is not supported; the models here read text only")
+                if "prompt_token_ids" in item:
+                    out.append((item.get("prompt"), self._check_ids(item["prompt_token_ids"], what)))
+                    continue
+                item = item["prompt"]
+            out.append((item, self._check_ids(self._encode(item, what), what)))
+        return out
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json sampling defaults
+        (temperature, top_p, top_k), as vLLM applies when a request brings none."""
+        return SamplingParams(**self.generation_defaults)
+
+    def generate(self, prompts=None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt: a string, vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts, a
+        list of these, or token-id lists through `prompt_token_ids`.
+
+        sampling_params: one for all prompts or one per prompt (default: `get_default_sampling_params()`).
+        A request's n completions run as n rows. Rows run in batches of up to max_num_seqs. Returns one
+        RequestOutput per prompt, in order.
+        """
+        requests = self._prompts(prompts, prompt_token_ids)
         if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * len(ids) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        if len(params) != len(ids):
-            raise ValueError(f"got {len(params)} sampling_params for {len(ids)} prompts")
-        outputs = []
+            sampling_params = self.get_default_sampling_params()
+        params = ([sampling_params] * len(requests) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(requests):
+            raise ValueError(f"got {len(params)} sampling_params for {len(requests)} prompts")
+        if self.tokenizer is None and any(p.stop for p in params):
+            raise ValueError(f"stop strings need a tokenizer, and {self.model_path} has none; use stop_token_ids")
+        for p in params:
+            self._check_token_ids(p)
+        rows = [(r, child) for r, p in enumerate(params) for child in fan_out(p)]
+        completions: list = []
         n = self.engine.max_num_seqs
         t0 = time.perf_counter()
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm or len(ids) < 2) as bar:
-            for s in range(0, len(ids), n):
-                outputs += self._run_batch(prompts[s:s + n], ids[s:s + n], params[s:s + n])
-                bar.update(len(ids[s:s + n]))
+        with tqdm(total=len(rows), desc="generating", unit="seq", disable=not use_tqdm or len(rows) < 2) as bar:
+            for s in range(0, len(rows), n):
+                chunk = rows[s:s + n]
+                completions += self._run_batch([requests[r][1] for r, _ in chunk], [p for _, p in chunk])
+                bar.update(len(chunk))
+        outputs = []
+        for r, (text, ids) in enumerate(requests):
+            mine = [c for (owner, _), c in zip(rows, completions) if owner == r]
+            for i, (out, _) in enumerate(mine):
+                out.index = i
+            self._requests += 1
+            metrics = mine[0][1] if len(mine) == 1 else {**mine[0][1], **merge_metrics([m for _, m in mine])}
+            outputs.append(RequestOutput(str(self._requests - 1), text, ids, [c for c, _ in mine], metrics))
         self.metrics = aggregate_metrics(outputs)
         self.metrics["tokens_per_s"] = self.metrics["num_generated_tokens"] / (time.perf_counter() - t0)
+        self.lifetime.add(outputs)
         return outputs
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of
+        them, rendered with the checkpoint's chat template (or `chat_template`, a Jinja source or
+        file), then generated. chat_template_kwargs reach the template (Qwen's enable_thinking)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations or any(not c or not all(isinstance(m, dict) for m in c) for c in conversations):
+            raise ValueError("messages must be a non-empty list of {role, content} dicts, or a list of such lists")
+        template = self._chat_template(chat_template)
+        extra = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
+        texts = [template.render(c, extra) for c in conversations]
+        return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_template(self, override: str | None) -> ChatTemplate:
+        if override is not None and not Path(override).is_file():
+            return ChatTemplate(override)  # the template's source itself
+        template = ChatTemplate.of_checkpoint(self.model_path or "", override) if self.model_path else None
+        if template is None:
+            raise ValueError(f"{self.model_path} has no chat template (no chat_template in its tokenizer_config.json, "
+                             f"no chat_template.jinja); pass chat_template=, or call generate with the prompt text")
+        return template
+
+    def get_tokenizer(self) -> ChatTokenizer:
+        """The checkpoint's tokenizer with its chat template (encode, decode, apply_chat_template)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer.json (pass tokenizer= a file or directory)")
+        template = ChatTemplate.of_checkpoint(self.model_path) if self.model_path else None
+        return ChatTokenizer(self.tokenizer, template)
+
+    def get_metrics(self) -> list:
+        """vLLM's `LLM.get_metrics()`: counters over this LLM's lifetime under vLLM's names
+        (`vllm:generation_tokens`, `vllm:spec_decode_num_drafts`, ..., and the per-position
+        accepted counts as a `Vector`)."""
+        return self.lifetime.metrics()
 
     # ------------------------------------------------------------------ the functional layer
 
@@ -328,11 +589,37 @@ class LLM:
         seeds = [self._row_seed(p) for p in params]
         batch = assemble_batch(ids, params, seeds, rows=self.engine.batch_bucket(len(ids)),
                                prompt_len=self.engine.prompt_bucket(max(len(x) for x in ids)),
-                               max_model_len=self.max_model_len, eos=self.cfg.eos_token_id, stop_width=stop_width)
+                               max_model_len=self.max_model_len, eos=self.cfg.eos_token_id, stop_width=stop_width,
+                               vocab_size=self.cfg.vocab_size, banned=[self._bad_word_ids(p) for p in params])
         do_sample = batch.do_sample if do_sample is None else do_sample
         reference = proposer_reference(self.engine, batch, self._plain, do_sample)
         state = self.engine.prefill(*batch.inputs(), jnp.asarray(batch.speculate), reference, do_sample)
         return state, do_sample, batch.stops
+
+    def _bad_word_ids(self, p: SamplingParams) -> list[int]:
+        """The token ids a request's bad_words ban: each word with and without a leading space,
+        as vLLM encodes them; each form must be one token here."""
+        if not p.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError(f"bad_words need a tokenizer, and {self.model_path} has none; use logit_bias")
+        ids = []
+        for word in p.bad_words:
+            for form in (word.strip(), " " + word.strip()):
+                tokens = self.tokenizer.encode(form)
+                if len(tokens) != 1:
+                    raise ValueError(f"bad_words: {form!r} is {len(tokens)} tokens of this tokenizer; only words "
+                                     f"of one token (with and without a leading space) are supported")
+                ids += tokens
+        return ids
+
+    def _check_token_ids(self, p: SamplingParams) -> None:
+        """logit_bias keys and allowed_token_ids must be ids of this vocabulary."""
+        for name, ids in (("logit_bias", [int(t) for t in p.logit_bias or {}]),
+                          ("allowed_token_ids", p.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
 
     def _plain(self) -> Engine:
         """A plain-decoding engine on the same weights (the oracle's reference run), made once."""
@@ -341,7 +628,8 @@ class LLM:
                                         max_num_seqs=self.engine.max_num_seqs)
         return self._plain_engine
 
-    def _run_batch(self, prompts, ids, params) -> list[RequestOutput]:
+    def _run_batch(self, ids, params) -> list[tuple[CompletionOutput, dict]]:
+        """One batch of rows: each row's completion and metrics."""
         t0 = time.perf_counter()
         state, do_sample, stops = self.start_batch(ids, params)
         jax.block_until_ready(state.tokens)
@@ -350,15 +638,26 @@ class LLM:
         out_tokens, out_lengths, stats, steps = jax.device_get((state.tokens, state.lengths, state.stats, state.steps))
         t2 = time.perf_counter()
         results = []
-        for i in range(len(ids)):
+        for i, p in enumerate(params):
             gen = out_tokens[i, len(ids[i]):out_lengths[i]].tolist()
-            finish = "stop" if gen and gen[-1] in stops[i] else "length"
-            text = self.tokenizer.decode(gen, params[i].skip_special_tokens) if self.tokenizer else ""
-            metrics = request_metrics(len(ids[i]), len(gen), t1 - t0, t2 - t1, stats, i)
+            out = self._completion(gen, p, stops[i])
+            metrics = request_metrics(len(ids[i]), len(out.token_ids), t1 - t0, t2 - t1, stats, i)
             metrics["batch_decode_steps"] = int(steps)
-            results.append(RequestOutput(str(self._requests - len(ids) + i), prompts[i], ids[i],
-                                         [CompletionOutput(0, text, gen, finish)], metrics))
+            results.append((out, metrics))
         return results
+
+    def _completion(self, gen: list[int], p: SamplingParams, stop_ids: list[int]) -> CompletionOutput:
+        """A row's generated ids as vLLM reports them: cut at the first stop string, with the text,
+        finish_reason and stop_reason (the stop string or stop token id; None at EOS or length)."""
+        if p.stop and self.tokenizer is not None:
+            text, cut, stop = cut_at_stop_string(self.tokenizer, gen, p.stop_strings, p.skip_special_tokens,
+                                                 p.include_stop_str_in_output)
+            if stop is not None:
+                return CompletionOutput(0, text if p.detokenize else "", cut, "stop", stop)
+        text = self.tokenizer.decode(gen, p.skip_special_tokens) if self.tokenizer and p.detokenize else ""
+        if gen and gen[-1] in stop_ids:
+            return CompletionOutput(0, text, gen, "stop", None if gen[-1] in self.cfg.eos_token_id else gen[-1])
+        return CompletionOutput(0, text, gen, "length")
 
     def generate_stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
                         prompt_token_ids: Sequence[int] | None = None, steps_per_chunk: int = 1):

@@ -1,7 +1,9 @@
-"""Per-request and aggregate figures, with vLLM's speculation counters."""
+"""Per-request and aggregate figures, with vLLM's speculation counters; `LLM.get_metrics()`'s
+lifetime counters under vLLM's metric names."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 
@@ -21,8 +23,13 @@ def request_metrics(n_prompt: int, n_gen: int, prefill_s: float, decode_s: float
 
 def aggregate_metrics(outputs: Sequence) -> dict:
     """Totals over `RequestOutput`s: tokens, speculation counters, acceptance figures."""
-    ms = [o.metrics for o in outputs]
-    total = {"num_requests": len(ms), "num_generated_tokens": sum(m["num_generated_tokens"] for m in ms)}
+    return {"num_requests": len(outputs), **merge_metrics([o.metrics for o in outputs])}
+
+
+def merge_metrics(ms: Sequence[dict]) -> dict:
+    """Generated tokens and speculation counters summed over metrics (a request's n rows, or many
+    requests), acceptance figures recomputed from the sums."""
+    total = {"num_generated_tokens": sum(m["num_generated_tokens"] for m in ms)}
     if ms and "num_drafts" in ms[0]:
         steps = sum(m["num_drafts"] for m in ms)
         drafted = sum(m["num_draft_tokens"] for m in ms)
@@ -34,3 +41,53 @@ def aggregate_metrics(outputs: Sequence) -> dict:
                      acceptance_rate=accepted / drafted if drafted else 0.0,
                      mean_acceptance_length=1 + accepted / steps if steps else 1.0, acceptance_per_position=per_pos)
     return total
+
+
+@dataclasses.dataclass
+class Counter:
+    """A monotonically growing total (vLLM's `vllm.v1.metrics.reader.Counter`)."""
+
+    name: str
+    value: int
+    labels: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Vector:
+    """Counters indexed by position (vLLM's `vllm.v1.metrics.reader.Vector`)."""
+
+    name: str
+    values: list[int]
+    labels: dict = dataclasses.field(default_factory=dict)
+
+
+class LifetimeCounters:
+    """Totals over every request an LLM has completed, read back as vLLM's metrics."""
+
+    def __init__(self):
+        self.requests = self.prompt_tokens = self.generation_tokens = 0
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0
+        self.accepted_per_pos: list[int] = []
+
+    def add(self, outputs: Sequence) -> None:
+        for o in outputs:
+            m = o.metrics
+            self.requests += 1
+            self.prompt_tokens += len(o.prompt_token_ids)
+            self.generation_tokens += m["num_generated_tokens"]
+            if "num_drafts" in m:
+                self.drafts += m["num_drafts"]
+                self.draft_tokens += m["num_draft_tokens"]
+                self.accepted_tokens += m["num_accepted_tokens"]
+                counts = [round(f * m["num_drafts"]) for f in m["acceptance_per_position"]]
+                self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos or [0] * len(counts), counts)]
+
+    def metrics(self) -> list:
+        out = [Counter("vllm:request_success", self.requests), Counter("vllm:prompt_tokens", self.prompt_tokens),
+               Counter("vllm:generation_tokens", self.generation_tokens)]
+        if self.accepted_per_pos:
+            out += [Counter("vllm:spec_decode_num_drafts", self.drafts),
+                    Counter("vllm:spec_decode_num_draft_tokens", self.draft_tokens),
+                    Counter("vllm:spec_decode_num_accepted_tokens", self.accepted_tokens),
+                    Vector("vllm:spec_decode_num_accepted_tokens_per_pos", list(self.accepted_per_pos))]
+        return out

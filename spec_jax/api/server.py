@@ -9,10 +9,9 @@ Endpoints: /v1/completions, /v1/chat/completions (both stream with server-sent e
 fields, spelled like vLLM's: top_k, stop_token_ids, ignore_eos, skip_special_tokens,
 return_token_ids, chat_template_kwargs, and the per-request `speculative` opt-out.
 
-Chat prompts are rendered from the checkpoint's own template (tokenizer_config.json's
-`chat_template`, or chat_template.jinja beside it, or `--chat-template FILE`) with jinja2 in a
-sandbox, as HF transformers does. A checkpoint without one has no fallback: chat requests get a
-400 that says so, because a guessed template would prompt the model in a format it never saw.
+Chat prompts are rendered from the checkpoint's own template (`chat.ChatTemplate`: tokenizer_config.json's
+`chat_template`, or chat_template.jinja beside it, or `--chat-template FILE`). A checkpoint without one
+has no fallback: chat requests get a 400 that says so.
 """
 
 from __future__ import annotations
@@ -23,20 +22,16 @@ import json
 import re
 import time
 import uuid
-from datetime import datetime
-from pathlib import Path
 from typing import Any, AsyncIterator
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from spec_jax.api.llm import LLM, SamplingParams
+from spec_jax.api.chat import ChatTemplate, RequestError, TextDelta
+from spec_jax.api.llm import LLM, SamplingParams, fan_out
 from spec_jax.api.scheduler import MAX_STOP_TOKEN_IDS, Scheduler
 
 
@@ -136,131 +131,6 @@ def stop_strings(body: SamplingFields) -> list[str]:
     return stops
 
 
-# ----------------------------------------------------------------------------- chat template
-
-
-def read_chat_template(model_dir: str | Path, override: str | None = None) -> str | None:
-    """The chat template: `override` (a file), else the checkpoint's tokenizer_config.json
-    `chat_template` (a string, or a list of named ones: "default" or the first), else its
-    chat_template.jinja; None if it has none."""
-    if override:
-        path = Path(override)
-        if not path.is_file():
-            raise ValueError(f"chat template file {override!r} does not exist")
-        return path.read_text()
-    config = tokenizer_config(model_dir)
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default", template[0].get("template") if template else None)
-    if template:
-        return template
-    jinja_file = Path(model_dir) / "chat_template.jinja"
-    return jinja_file.read_text() if jinja_file.is_file() else None
-
-
-def tokenizer_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-
-
-def special_token_text(config: dict, name: str) -> str:
-    value = config.get(name) or ""
-    return value.get("content", "") if isinstance(value, dict) else value
-
-
-class ChatTemplate:
-    """A compiled chat template: messages -> prompt text, with HF's rendering conventions
-    (trim_blocks, lstrip_blocks, loop controls, tojson, raise_exception, strftime_now)."""
-
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-        env.globals["raise_exception"] = self._raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            self.template = env.from_string(source)
-        except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"the chat template does not parse: {e}") from None
-        self.specials = {"bos_token": bos_token, "eos_token": eos_token}
-
-    @staticmethod
-    def _raise(message: str):
-        raise jinja2.TemplateError(message)
-
-    def render(self, messages: list[dict], extra: dict | None = None) -> str:
-        """The prompt text; extra (chat_template_kwargs) may set any variable but `messages`,
-        add_generation_prompt included."""
-        if "messages" in (extra or {}):
-            raise APIError(400, "chat_template_kwargs may not set messages; send them as messages",
-                           param="chat_template_kwargs")
-        context = {**self.specials, "add_generation_prompt": True, **(extra or {}), "messages": text_messages(messages)}
-        try:
-            return self.template.render(context)
-        except jinja2.TemplateError as e:
-            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
-
-
-def text_messages(messages: list[dict]) -> list[dict]:
-    """Messages with their content as text, as OpenAI reads them: a string stays, null is empty,
-    a list of parts joins its text parts by newlines. Any other content, or a part that is not
-    text, is a 400 naming the message."""
-    out = []
-    for i, m in enumerate(messages):
-        content = m.get("content")
-        if isinstance(content, list):
-            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
-                   for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts "
-                                    f"({{\"type\": \"text\", \"text\": ...}}) are supported", param="messages")
-            content = "\n".join(p["text"] for p in content)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts, got "
-                                f"{type(content).__name__}", param="messages")
-        out.append({**m, "content": content})
-    return out
-
-
-# ----------------------------------------------------------------------------- text out
-
-
-class TextDelta:
-    """Turns one choice's token ids into text increments: holds back an incomplete UTF-8
-    character and anything that could still become a stop string; cuts at a stop string."""
-
-    def __init__(self, tokenizer, skip_special_tokens: bool, stops: list[str]):
-        self.tokenizer, self.skip, self.stops = tokenizer, skip_special_tokens, stops
-        self.ids: list[int] = []
-        self.sent = 0
-        self.stopped = False
-
-    def add(self, ids: list[int], final: bool) -> str:
-        """Append ids; return the new text that is safe to send (all of it when final)."""
-        self.ids += ids
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.ids, self.skip)
-        cut = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stops) if i >= 0]
-        if cut:
-            text, self.stopped, final = text[:min(cut)], True, True
-        safe = len(text) if final else len(text) - max((len(s) - 1 for s in self.stops), default=0)
-        if not final and text.endswith("\ufffd"):
-            safe = min(safe, len(text) - 1)
-        if safe <= self.sent:
-            return ""
-        out, self.sent = text[self.sent:safe], safe
-        return out
-
-
 # ----------------------------------------------------------------------------- the app
 
 
@@ -272,10 +142,7 @@ class Server:
         self.llm = llm
         self.name = served_model_name or str(llm.model_path)
         self.scheduler = Scheduler(llm, steps_per_chunk=steps_per_chunk)
-        config = tokenizer_config(llm.model_path)
-        source = read_chat_template(llm.model_path, chat_template)
-        self.chat_template = None if source is None else ChatTemplate(
-            source, special_token_text(config, "bos_token"), special_token_text(config, "eos_token"))
+        self.chat_template = ChatTemplate.of_checkpoint(llm.model_path, chat_template)
         self.created = int(time.time())
 
     def warm_up(self) -> None:
@@ -307,18 +174,19 @@ class Server:
                                 f"completion). Reduce the prompt or max_tokens.", param=param,
                            code="context_length_exceeded")
 
-    async def choices(self, prompts: list[list[int]], params: SamplingParams,
+    async def choices(self, prompts: list[list[int]], params: list[SamplingParams],
                       stops: list[str]) -> AsyncIterator[tuple[int, str, list[int], str | None, str | None]]:
-        """Run the prompts through the scheduler; yield (index, text delta, new ids, finish
-        reason or None, error or None) as tokens arrive. Leaving early cancels what runs."""
+        """Run the prompts (one `SamplingParams` each) through the scheduler; yield (index, text
+        delta, new ids, finish reason or None, error or None) as tokens arrive. Leaving early
+        cancels what runs."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
         def sink(index):
             return lambda update: loop.call_soon_threadsafe(updates.put_nowait, (index, update))
 
-        requests = [self.scheduler.submit(ids, params, sink(i)) for i, ids in enumerate(prompts)]
-        texts = [TextDelta(self.llm.tokenizer, params.skip_special_tokens, stops) for _ in prompts]
+        requests = [self.scheduler.submit(ids, p, sink(i)) for i, (ids, p) in enumerate(zip(prompts, params))]
+        texts = [TextDelta(self.llm.tokenizer, p.skip_special_tokens, stops) for p in params]
         running = set(range(len(prompts)))
         try:
             while running:
@@ -376,10 +244,14 @@ async def unless_client_leaves(work, client_gone) -> bool:
 
 async def complete(server: Server, body: SamplingFields, prompts: list[list[int]], params: SamplingParams,
                    chat: bool, client_gone):
-    """Both endpoints' response: one JSON body, or a stream of OpenAI chunks. client_gone():
-    whether the client disconnected (a non-streaming request stops then; a stream stops when
-    its next write fails)."""
+    """Both endpoints' response: one JSON body, or a stream of OpenAI chunks. A request's n
+    choices per prompt run as rows (`fan_out`); choice index = prompt index x n + i, as OpenAI
+    numbers them. client_gone(): whether the client disconnected (a non-streaming request stops
+    then; a stream stops when its next write fails)."""
     stops = stop_strings(body)
+    children = fan_out(params)
+    asked, prompts = prompts, [p for p in prompts for _ in children]
+    row_params = children * len(asked)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk" if body.stream and chat else
             "chat.completion" if chat else "text_completion",
@@ -403,7 +275,7 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
         reasons: list[str | None] = [None] * len(prompts)
 
         async def collect():
-            async for i, delta, ids, reason, error in server.choices(prompts, params, stops):
+            async for i, delta, ids, reason, error in server.choices(prompts, row_params, stops):
                 if error:
                     raise APIError(500, f"generation failed: {error}", type="server_error")
                 texts[i] += delta
@@ -413,9 +285,9 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
         if not await unless_client_leaves(collect(), client_gone):
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         out = {**head, "choices": [choice(i, texts[i], generated[i], reasons[i], True) for i in range(len(prompts))],
-               "usage": usage(prompts, generated)}
+               "usage": usage(asked, generated)}
         if body.return_token_ids:
-            out["prompt_token_ids"] = prompts
+            out["prompt_token_ids"] = asked
         return JSONResponse(out)
 
     async def events():
@@ -423,7 +295,7 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
             for i in range(len(prompts)):
                 yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
-        async for i, delta, ids, reason, error in server.choices(prompts, params, stops):
+        async for i, delta, ids, reason, error in server.choices(prompts, row_params, stops):
             if error:
                 yield sse(APIError(500, f"generation failed: {error}", type="server_error").body())
                 break
@@ -431,7 +303,7 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
             if delta or reason is not None or (body.return_token_ids and ids):
                 yield sse({**head, "choices": [choice(i, delta, ids, reason, False)]})
         if (body.stream_options or {}).get("include_usage"):
-            yield sse({**head, "choices": [], "usage": usage(prompts, generated)})
+            yield sse({**head, "choices": [], "usage": usage(asked, generated)})
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -531,7 +403,11 @@ def build_app(server: Server) -> FastAPI:
             raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, max_tokens)
-        ids = server.encode(server.chat_template.render(body.messages, body.chat_template_kwargs), "messages")
+        try:
+            prompt = server.chat_template.render(body.messages, body.chat_template_kwargs)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        ids = server.encode(prompt, "messages")
         server.check_room(ids, max_tokens, "max_tokens")
         return await complete(server, body, [ids], params, chat=True, client_gone=request.is_disconnected)
 

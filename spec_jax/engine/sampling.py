@@ -17,20 +17,51 @@ import jax.numpy as jnp
 @dataclasses.dataclass
 class RowSampling:
     """Per-row sampling parameters. temperature [B] (0 = greedy), top_k [B] (0 = off),
-    top_p [B] (1 = off), key [B] typed PRNG keys."""
+    top_p [B] (1 = off), key [B] typed PRNG keys.
+
+    Optional, None when no row of the batch uses them (the step then compiles without them):
+    min_p [B] (0 = off); bias [B, V] float32 added to the raw logits (vLLM's logit_bias, with
+    -inf for allowed_token_ids' complement and bad words); min_tokens: (end [B], stop_ids [B, S])
+    - a stop id cannot be emitted at a position below end (prompt length + min_tokens)."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     key: jax.Array
+    min_p: jax.Array | None = None
+    bias: jax.Array | None = None
+    min_tokens: tuple[jax.Array, jax.Array] | None = None
+
+
+def process_logits(logits: jax.Array, params: RowSampling, positions: jax.Array) -> jax.Array:
+    """The logit processors that change what greedy picks too (vLLM applies them before
+    sampling or argmax): the bias, then min_tokens' ban on stop ids. logits [B, V] or [B, T, V]
+    float32 for the tokens written at positions [B] or [B, T]; the same shape back. Speculation
+    verifies against these logits, so its output distribution is spec-off's."""
+    if params.bias is None and params.min_tokens is None:
+        return logits
+    per_row = lambda x: x if logits.ndim == 2 else x[:, None]  # noqa: E731
+    if params.bias is not None:
+        logits = logits + per_row(params.bias)
+    if params.min_tokens is not None:
+        end, stop_ids = params.min_tokens
+        B, V = stop_ids.shape[0], logits.shape[-1]
+        is_stop = jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], jnp.where(stop_ids >= 0, stop_ids, V)].set(
+            True, mode="drop")  # -1 pads map past the vocabulary and drop
+        early = positions < (end if logits.ndim == 2 else end[:, None])  # [B] or [B, T]
+        logits = jnp.where(early[..., None] & per_row(is_stop), -jnp.inf, logits)
+    return logits
 
 
 def warp_logits(logits: jax.Array, params: RowSampling) -> jax.Array:
-    """Temperature, then top-k, then top-p: logits [B, V] float32 -> masked, scaled logits [B, V]
+    """Temperature, then min-p, then top-k, then top-p: logits [B, V] float32 -> masked, scaled logits [B, V]
     (removed tokens at -inf). softmax of the result is the distribution a row samples from."""
     V = logits.shape[-1]
     t = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / t[:, None]
+    if params.min_p is not None:  # after temperature, as vLLM: drop tokens below min_p x the top probability
+        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(params.min_p[:, None])  # -inf where min_p = 0
+        scaled = jnp.where(scaled >= floor, scaled, -jnp.inf)
     desc = -jnp.sort(-scaled, axis=-1)
     k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, V), V)
     in_top_k = jnp.arange(V)[None, :] < k[:, None]

@@ -28,7 +28,8 @@ from models.layers import Batch
 from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Config, Qwen3_5Model, init_cache
 from proposers import Proposer
 from proposers.oracle import SyntheticAcceptance
-from spec_jax.engine.sampling import RowSampling, accept_drafts, accept_synthetic, draw, sample_tokens, warp_logits
+from spec_jax.engine.sampling import (RowSampling, accept_drafts, accept_synthetic, draw, process_logits, sample_tokens,
+                                     warp_logits)
 
 
 @jax.tree_util.register_dataclass
@@ -141,7 +142,8 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     target = model(prompts, batch, cache, kv_len=T, taps=plan_taps(plan))
     cache = target.cache
     last = target.hidden[jnp.arange(B), prompt_lengths - 1]
-    first = sample_tokens(model.logits(last), sampling, prompt_lengths, do_sample=do_sample)
+    logits = process_logits(model.logits(last), sampling, prompt_lengths)
+    first = sample_tokens(logits, sampling, prompt_lengths, do_sample=do_sample)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :T].set(prompts)
     state = DecodeState(tokens, prompt_lengths, prompt_lengths, max_lengths, done, stop_ids, sampling, cache,
                         jnp.zeros((), jnp.int32), speculate)
@@ -160,7 +162,8 @@ def decode_one(model: Qwen3_5Model, state: DecodeState, taps: tuple[int, ...], *
     newest = state.tokens[jnp.arange(B), state.lengths - 1][:, None]
     batch = Batch(start=state.lengths - 1, n_valid=(~state.done).astype(jnp.int32))
     out = model(newest, batch, state.cache, kv_len=L, taps=taps)
-    return sample_tokens(model.logits(out.hidden[:, 0]), state.sampling, state.lengths, do_sample=do_sample), out
+    logits = process_logits(model.logits(out.hidden[:, 0]), state.sampling, state.lengths)
+    return sample_tokens(logits, state.sampling, state.lengths, do_sample=do_sample), out
 
 
 def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bool) -> DecodeState:
@@ -193,7 +196,8 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
         inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
         batch = Batch(start=state.lengths - 1, n_valid=jnp.where(live, n_draft + 1, 0))
         target = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback, taps=plan_taps(plan))
-        logits = model.logits(target.hidden)
+        positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
+        logits = process_logits(model.logits(target.hidden), state.sampling, positions)
         if isinstance(plan.proposer, SyntheticAcceptance):
             n_acc, emitted = accept_synthetic(plan.proposer.rates_of(pstate), logits, drafts, n_draft,
                                               state.sampling, state.lengths, do_sample=do_sample)
@@ -335,6 +339,16 @@ class Engine:
             return fn(model, draft, *a)
 
         return run
+
+    def row_bytes(self, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done, speculate,
+                  reference) -> int:
+        """Device bytes of the `DecodeState` a prefill of these one-row arguments returns (caches,
+        proposer state, token buffer): what each further batch row costs. Traced, not compiled or run."""
+        fn = partial(prefill, cache_len=self.cache_len, do_sample=False, plan=self.plan)
+        state = jax.eval_shape(self._on_params(fn), self.params, prompts, prompt_lengths, max_lengths, stop_ids,
+                               sampling, done, speculate, reference)
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
+                   if hasattr(leaf, "dtype") and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
     def prefill(self, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done, speculate, reference,
                 do_sample: bool) -> DecodeState:

@@ -1,0 +1,212 @@
+"""Text around the token ids: chat templates (the checkpoint's own, rendered as HF transformers
+renders them) and detokenizing with stop strings. `LLM.chat` / `LLM.generate` and the server's
+endpoints share them.
+
+A checkpoint's template is tokenizer_config.json's `chat_template`, or chat_template.jinja beside
+it, or a file the caller names; rendered with jinja2 in a sandbox. A checkpoint without one has no
+fallback, because a guessed template would prompt the model in a format it never saw.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+
+
+class RequestError(ValueError):
+    """A request the caller got wrong, naming the field (`param`) at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def read_chat_template(model_dir: str | Path, override: str | None = None) -> str | None:
+    """The chat template: `override` (a file), else the checkpoint's tokenizer_config.json
+    `chat_template` (a string, or a list of named ones: "default" or the first), else its
+    chat_template.jinja; None if it has none."""
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise ValueError(f"chat template file {override!r} does not exist")
+        return path.read_text()
+    config = tokenizer_config(model_dir)
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default", template[0].get("template") if template else None)
+    if template:
+        return template
+    jinja_file = Path(model_dir) / "chat_template.jinja"
+    return jinja_file.read_text() if jinja_file.is_file() else None
+
+
+def tokenizer_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def special_token_text(config: dict, name: str) -> str:
+    value = config.get(name) or ""
+    return value.get("content", "") if isinstance(value, dict) else value
+
+
+class ChatTemplate:
+    """A compiled chat template: messages -> prompt text, with HF's rendering conventions
+    (trim_blocks, lstrip_blocks, loop controls, tojson, raise_exception, strftime_now)."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        env.globals["raise_exception"] = self._raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the chat template does not parse: {e}") from None
+        self.specials = {"bos_token": bos_token, "eos_token": eos_token}
+
+    @classmethod
+    def of_checkpoint(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:
+        """The checkpoint's template (see `read_chat_template`) with its bos/eos token text; None if it has none."""
+        source = read_chat_template(model_dir, override)
+        if source is None:
+            return None
+        config = tokenizer_config(model_dir)
+        return cls(source, special_token_text(config, "bos_token"), special_token_text(config, "eos_token"))
+
+    @staticmethod
+    def _raise(message: str):
+        raise jinja2.TemplateError(message)
+
+    def render(self, messages: list[dict], extra: dict | None = None) -> str:
+        """The prompt text; extra (chat_template_kwargs) may set any variable but `messages`,
+        add_generation_prompt included."""
+        if "messages" in (extra or {}):
+            raise RequestError("chat_template_kwargs may not set messages; send them as messages",
+                               "chat_template_kwargs")
+        context = {**self.specials, "add_generation_prompt": True, **(extra or {}), "messages": text_messages(messages)}
+        try:
+            return self.template.render(context)
+        except jinja2.TemplateError as e:
+            raise RequestError(f"the chat template refused these messages: {e}", "messages") from None
+
+
+class ChatTokenizer:
+    """The checkpoint's tokenizer with its chat template: what vLLM's `LLM.get_tokenizer()` gives,
+    an HF-style tokenizer (`encode`, `decode`, call, `apply_chat_template`)."""
+
+    def __init__(self, tokenizer, template: ChatTemplate | None):
+        self.tokenizer, self.template = tokenizer, template
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens)
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": self.encode(text)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.hf.get_vocab_size()
+
+    def apply_chat_template(self, conversation: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
+                            **kwargs) -> str | list[int]:
+        """HF's signature: the rendered prompt, as token ids unless tokenize=False; other keywords
+        reach the template (enable_thinking, tools, ...)."""
+        if self.template is None:
+            raise ValueError("this checkpoint has no chat template (no chat_template in its tokenizer_config.json, "
+                             "no chat_template.jinja)")
+        text = self.template.render(conversation, {"add_generation_prompt": add_generation_prompt, **kwargs})
+        return self.encode(text) if tokenize else text
+
+
+def text_messages(messages: list[dict]) -> list[dict]:
+    """Messages with their content as text, as OpenAI reads them: a string stays, null is empty,
+    a list of parts joins its text parts by newlines. Any other content, or a part that is not
+    text, is a RequestError naming the message."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts "
+                                   f"({{\"type\": \"text\", \"text\": ...}}) are supported", "messages")
+            content = "\n".join(p["text"] for p in content)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got "
+                               f"{type(content).__name__}", "messages")
+        out.append({**m, "content": content})
+    return out
+
+
+class TextDelta:
+    """Turns one choice's token ids into text increments: holds back an incomplete UTF-8
+    character and anything that could still become a stop string; cuts at a stop string."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool, stops: list[str]):
+        self.tokenizer, self.skip, self.stops = tokenizer, skip_special_tokens, stops
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+        self.reason: str | None = None  # the stop string found
+
+    def add(self, ids: list[int], final: bool) -> str:
+        """Append ids; return the new text that is safe to send (all of it when final)."""
+        self.ids += ids
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(self.ids, self.skip)
+        found = first_stop(text, self.stops, max(0, self.sent - max((len(s) for s in self.stops), default=0) + 1))
+        if found is not None:
+            text, self.stopped, self.reason, final = text[:found[0]], True, found[1], True
+        safe = len(text) if final else len(text) - max((len(s) - 1 for s in self.stops), default=0)
+        if not final and text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        if safe <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:safe], safe
+        return out
+
+
+def first_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
+    """(where, which) of the earliest stop string in text[start:] (the longest one at a tie), or None."""
+    hits = [(i, -len(s), s) for s in stops if (i := text.find(s, start)) >= 0]
+    return (min(hits)[0], min(hits)[2]) if hits else None
+
+
+def cut_at_stop_string(tokenizer, ids: list[int], stops: list[str], skip_special_tokens: bool,
+                       include_stop_str: bool) -> tuple[str, list[int], str | None]:
+    """A finished completion cut at its first stop string, as vLLM returns it: (text, token ids, the
+    stop string or None). The text ends before the stop string (or after it with include_stop_str);
+    the ids end with the token that completed it."""
+    text = tokenizer.decode(ids, skip_special_tokens)
+    found = first_stop(text, stops)
+    if found is None:
+        return text, ids, None
+    at, stop = found
+    lo, hi = 1, len(ids)  # the fewest tokens whose text holds the whole stop string at `at`
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens)) >= at + len(stop):
+            hi = mid
+        else:
+            lo = mid + 1
+    return text[:at + len(stop) if include_stop_str else at], ids[:lo], stop
