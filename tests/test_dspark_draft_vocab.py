@@ -20,7 +20,7 @@ from models.dflash import DFlashConfig
 from spec_jax import SamplingParams
 from spec_jax.engine.steps import drafting_policy
 from spec_jax.loading.drafters import load_dflash
-from spec_jax.writing.random_checkpoint import write_dflash_checkpoint
+from spec_jax.writing.random_checkpoint import main, write_dflash_checkpoint
 
 DRAFT_VOCAB = 128
 REDUCED = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -62,6 +62,14 @@ def test_both_layouts_load_the_same_reduced_drafter(tmp_path):
     assert native[1] == spec_layout[1]
     for a, b in zip(jax.tree.leaves(nnx.state(native[0])), jax.tree.leaves(nnx.state(spec_layout[0]))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_command_line_writer_makes_a_reduced_drafter_for_its_target(tiny_dir, tmp_path):
+    main(["dspark", str(tmp_path / "d"), "--target", str(tiny_dir), "--layout", "speculators",
+          "--draft-vocab-size", "100"])
+    draft, cfg = load_dflash(tmp_path / "d", TINY)
+    assert cfg.reduced_vocab and cfg.draft_vocab_size == 100 and draft.d2t.shape == (100,)
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["draft_vocab_size"] == 100
 
 
 def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, plain_greedy, reduced_dir):

@@ -235,11 +235,13 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
     return out_dir
 
 
-def random_drafter_config(method: str, target: Qwen3_5Config, *, layers: int = 5, block_size: int | None = None):
+def random_drafter_config(method: str, target: Qwen3_5Config, *, layers: int = 5, block_size: int | None = None,
+                          draft_vocab_size: int | None = None):
     """The config of a random drafter of `method` that fits `target`.
 
     dflash / dspark: a DFlashConfig of `layers` layers of the target's width (z-lab's drafters
-    have 5), block_size (default 16 / 7), five taps spread over the target.
+    have 5), block_size (default 16 / 7), five taps spread over the target; dspark with a
+    draft_vocab_size below the target's vocabulary gets a reduced vocabulary (lm_head and d2t).
     eagle3: an Eagle3Config with one midlayer, three default taps, a draft vocabulary of up to
     32000 tokens. draft_model: a `layers`-layer Qwen3.5 of the target's geometry, no MTP head.
     """
@@ -251,7 +253,8 @@ def random_drafter_config(method: str, target: Qwen3_5Config, *, layers: int = 5
         return DFlashConfig(hidden_size=H, intermediate_size=3 * H, num_hidden_layers=layers, target_layer_ids=taps,
                             mask_token_id=V - 1, block_size=block_size or (16 if method == "dflash" else 7),
                             vocab_size=V, markov_rank=min(256, H) if method == "dspark" else 0,
-                            sample_from_anchor=method == "dspark", **heads)
+                            sample_from_anchor=method == "dspark",
+                            draft_vocab_size=draft_vocab_size if method == "dspark" else None, **heads)
     if method == "eagle3":
         return Eagle3Config(hidden_size=H, intermediate_size=3 * H, vocab_size=V, draft_vocab_size=min(32000, V),
                             target_hidden_size=H, **heads).with_target(L, H)
@@ -262,10 +265,11 @@ def random_drafter_config(method: str, target: Qwen3_5Config, *, layers: int = 5
 
 def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path, *, layers: int = 5,
                          block_size: int | None = None, layout: str | None = None, seed: int = 0,
-                         dtype: str = "bfloat16") -> Path:
+                         dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> Path:
     """A random drafter of `method` that fits `target` (`random_drafter_config`), in its published
     layout; dspark's layout is "dspark" (native) or "speculators"."""
-    cfg = random_drafter_config(method, target, layers=layers, block_size=block_size)
+    cfg = random_drafter_config(method, target, layers=layers, block_size=block_size,
+                                draft_vocab_size=draft_vocab_size)
     if method in ("dflash", "dspark"):
         return write_dflash_checkpoint(out_dir, cfg, seed=seed, layout=layout or method)
     if method == "eagle3":
@@ -278,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
 
         python -m spec_jax.writing.random_checkpoint target DIR [--moe] [--text-only] [--seed N]
         python -m spec_jax.writing.random_checkpoint dflash|dspark|eagle3|draft_model DIR --target TARGET_DIR
-            [--layers 2] [--block-size N] [--layout dspark|speculators]
+            [--layers 2] [--block-size N] [--layout dspark|speculators] [--draft-vocab-size N]
     """
     import argparse
 
@@ -293,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2, help="drafters: decoder layers")
     ap.add_argument("--block-size", type=int, default=None, help="dflash/dspark: the block (default 16 / 7)")
     ap.add_argument("--layout", choices=["dspark", "speculators"], default=None, help="dspark: the published layout")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="dspark: a reduced draft vocabulary of N target ids (an lm_head of its own and d2t)")
     args = ap.parse_args(argv)
     if args.kind == "target":
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
@@ -305,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.target:
             ap.error(f"{args.kind} needs --target TARGET_DIR (the drafter's geometry follows the target's)")
         write_random_drafter(args.kind, load_config(args.target), args.out, layers=args.layers, block_size=args.block_size, layout=args.layout,
-                             seed=args.seed, dtype="float32")
+                             seed=args.seed, dtype="float32", draft_vocab_size=args.draft_vocab_size)
     print(f"wrote a random {args.kind} checkpoint to {args.out}")
 
 
