@@ -299,7 +299,11 @@ class LLM:
             check_int("max_model_len", max_model_len, 2, INT32_MAX, "must be at least 2")
         enable_compilation_cache()
         self.model_path = model
+        t0 = time.perf_counter()
         self.model, self.cfg = (loaded, loaded.cfg) if loaded is not None else load_model(model, dtype)
+        if loaded is None:
+            log.info("loaded %s (%s, %d layers, %s) in %.1f s; each new batch or prompt size compiles once",
+                     model, self.cfg.model_type, self.cfg.num_hidden_layers, dtype, time.perf_counter() - t0)
         if quantize_to is not None:
             quantize_projections(self.model, quantize_to)
         limit = self.cfg.max_position_embeddings

@@ -14,8 +14,10 @@ A call with a new (B, T, sampling) bucket compiles once; the docstrings say whic
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
+import time
 from functools import partial
 from typing import Any
 
@@ -30,6 +32,8 @@ from proposers import Proposer
 from proposers.oracle import SyntheticAcceptance
 from spec_jax.engine.sampling import (RowSampling, accept_drafts, accept_synthetic, draw, process_logits, sample_tokens,
                                      warp_logits)
+
+log = logging.getLogger("spec_jax")
 
 
 @jax.tree_util.register_dataclass
@@ -294,6 +298,14 @@ def default_decode_layout() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def describe_shapes(args) -> str:
+    """The bucket an executable serves, for log lines: batch rows x tokens of its first array."""
+    first = next((a for a in jax.tree.leaves(args) if getattr(a, "ndim", 0) >= 1), None)
+    if first is None:
+        return "its inputs"
+    return f"batch {first.shape[0]}" + (f" x {first.shape[1]}" if first.ndim >= 2 else "")
+
+
 class Engine:
     """A loaded model plus its ahead-of-time compiled executables, keyed by shape bucket."""
 
@@ -326,8 +338,10 @@ class Engine:
         shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
         key = (name, shapes, static)
         if key not in self.executables:
+            t0 = time.perf_counter()
             jitted = jax.jit(self._on_params(fn), donate_argnums=tuple(i + 1 for i in donate))
             self.executables[key] = jitted.lower(self.params, *args).compile()
+            log.info("compiled %s for %s in %.1f s", name, describe_shapes(args), time.perf_counter() - t0)
         return self.executables[key](self.params, *args)
 
     def _on_params(self, fn):
