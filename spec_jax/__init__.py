@@ -20,6 +20,6 @@ def configure_logging() -> None:
 
 configure_logging()
 
-from spec_jax.api.llm import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+from spec_jax.api.llm import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from spec_jax import LLM, SamplingParams
-from spec_jax.engine.sampling import RowSampling, accept_drafts, process_logits, warp_logits
+from spec_jax.engine.sampling import RowSampling, TokenHistory, accept_drafts, process_logits, warp_logits
 
 N, V, K = 40000, 6, 2
 P_VALUE = 1e-3  # fixed seeds make each test deterministic; this only sizes the bound
@@ -86,6 +86,33 @@ def test_min_p_logit_bias_and_min_tokens_shape_the_verified_distribution():
     p = target_p(processed, params)
     assert p[2] == p[3] == 0 and p[1] > 0
     assert_distribution(emitted[:, 0], p)
+
+
+def test_penalties_see_the_drafts_before_each_position():
+    """Presence, frequency and repetition penalties at verify position j count the drafts before
+    j as generated tokens, as a plain run that had emitted them would: the first emitted token
+    follows the penalized target, the second (after an accepted first draft d) the target
+    penalized with d counted once more."""
+    logits, drafts, q, params = toy(temperature=0.9, seed=5)
+    rng = np.random.default_rng(5)
+    counts = jnp.asarray(np.broadcast_to(rng.integers(0, 3, V), (N, V)), jnp.int32)
+    in_prompt = jnp.asarray(np.broadcast_to(rng.random(V) < 0.5, (N, V)))
+    history = TokenHistory(counts, in_prompt)
+    penalties = tuple(jnp.full(N, x, jnp.float32) for x in (0.4, 0.3, 1.5))
+    params = dataclasses.replace(params, penalties=penalties)
+    positions = jnp.zeros(N, jnp.int32)
+    processed = process_logits(logits, params, positions[:, None] + jnp.arange(K + 1)[None, :], history,
+                               history.through(drafts))
+    n_acc, emitted = accept(processed, drafts, jnp.full(N, K), q, params, positions, do_sample=True)
+    one = lambda x: x[:1]  # noqa: E731
+    first = process_logits(logits[:1, 0], jax.tree.map(one, params), positions[:1], jax.tree.map(one, history))
+    assert_distribution(emitted[:, 0], target_p(first[:, None], params))
+    d = int(np.bincount(np.asarray(drafts[:, 0])).argmax())
+    rows = np.asarray((n_acc >= 1) & (drafts[:, 0] == d))
+    after_d = TokenHistory(counts[:1].at[0, d].add(1), in_prompt[:1])
+    second = process_logits(logits[:1, 1], jax.tree.map(one, params), positions[:1], after_d)
+    counts2 = np.bincount(np.asarray(emitted[rows, 1]), minlength=V)
+    assert chisquare(counts2, target_p(second[:, None], params)) > P_VALUE
 
 
 def test_rows_without_drafts_sample_the_target():

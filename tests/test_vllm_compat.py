@@ -10,6 +10,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import vllm_offline_script
@@ -20,6 +21,7 @@ from spec_jax.api import engine_args
 from spec_jax.api import llm as llm_module
 from spec_jax.api.engine_args import check_quantization
 from spec_jax.api.metrics import Vector
+from spec_jax.engine.sampling import apply_penalties
 from spec_jax.default_model import train_tokenizer
 
 
@@ -224,8 +226,10 @@ def test_get_metrics_counts_over_the_llms_lifetime(chat_dir):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"presence_penalty": 0.5}, r"presence_penalty=0.5 is not supported yet; only 0.0 is accepted"),
-    ({"logprobs": 5}, r"logprobs=5 is not supported yet"),
+    ({"presence_penalty": 3}, r"presence_penalty=3 must be in \[-2, 2\]"),
+    ({"repetition_penalty": 0}, r"repetition_penalty=0 must be > 0"),
+    ({"logprobs": 25}, r"logprobs=25 must be 0 \(the sampled token's only\) to 20"),
+    ({"prompt_logprobs": 2}, r"prompt_logprobs=2 is not supported yet"),
     ({"n": 2, "best_of": 4}, r"best_of=4 is not supported .* ask for n=4"),
     ({"stop": ["", "x"]}, r"stop must be a non-empty string or a list of them"),
 ])
@@ -298,3 +302,53 @@ def test_min_p_keeps_sampling_exact_and_seeded(chat_llm, mtp_chat_llm):
     logits = chat_llm.logits(ids[0])[-1]
     p = np.exp(logits - logits.max())
     assert p[a[0]] >= 0.2  # the first token clears min_p x the top probability
+
+
+def test_penalties_hold_with_speculation(chat_llm, mtp_chat_llm):
+    """Greedy with presence, frequency and repetition penalties: spec-on equals spec-off (the verify
+    pass counts the drafts before each position), and the penalties cut repetition."""
+    plain = greedy_both(chat_llm, mtp_chat_llm)
+    penalized = greedy_both(chat_llm, mtp_chat_llm, presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3)
+    repeats = lambda rows: sum(len(r) - len(set(r)) for r in rows)  # noqa: E731
+    assert penalized != plain and repeats(penalized) < repeats(plain)
+
+
+def test_apply_penalties_is_vllms_formula():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 7)).astype(np.float32) * 3
+    counts = rng.integers(0, 3, (2, 7))
+    in_prompt = rng.random((2, 7)) < 0.3
+    presence, frequency, repetition = np.array([0.5, -0.2]), np.array([0.3, 1.0]), np.array([1.2, 0.8])
+    seen = (counts > 0) | in_prompt
+    want = np.where(seen, np.where(logits > 0, logits / repetition[:, None], logits * repetition[:, None]), logits)
+    want = want - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    got = apply_penalties(jnp.asarray(logits), tuple(jnp.asarray(x, jnp.float32) for x in (presence, frequency,
+                                                                                          repetition)),
+                          jnp.asarray(counts), jnp.asarray(in_prompt))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+def test_logprobs_are_the_targets_with_speculation_on_or_off(chat_llm, mtp_chat_llm):
+    """vLLM's logprobs (raw target logits): each token's own entry and the top K, equal to a
+    full-sequence forward's log-softmax, the same from the verify pass as from plain decoding."""
+    params = dataclasses.replace(GREEDY, logprobs=3)
+    prompt = [9, 8, 7]
+    off = chat_llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    on = mtp_chat_llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    assert on.token_ids == off.token_ids and len(off.logprobs) == len(on.logprobs) == 24
+    logits = chat_llm.logits(prompt + off.token_ids).astype(np.float64)
+    ref = logits - logits.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    for j, token in enumerate(off.token_ids):
+        want = ref[len(prompt) - 1 + j]
+        top = set(np.argsort(-want)[:3].tolist())
+        for entries in (off.logprobs[j], on.logprobs[j]):
+            assert set(entries) == top and entries[token].rank == 1  # greedy: the sampled token is the top one
+            for t, entry in entries.items():
+                assert abs(entry.logprob - want[t]) < 1e-4
+    assert abs(off.cumulative_logprob - sum(ref[len(prompt) - 1 + j, t] for j, t in enumerate(off.token_ids))) < 1e-3
+    sampled = chat_llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=1.0, max_tokens=6, seed=2, logprobs=0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert [list(e) for e in sampled.logprobs] == [[t] for t in sampled.token_ids]
+    assert all(e[t].rank >= 1 and e[t].decoded_token == chat_llm.get_tokenizer().decode([t], False)
+               for e, t in zip(sampled.logprobs, sampled.token_ids))

@@ -98,7 +98,8 @@ def logit_processors(params: Sequence, lengths: np.ndarray, stop_ids: np.ndarray
                      banned: Sequence[Sequence[int]] | None) -> dict:
     """`RowSampling`'s optional fields, for the rows that use them (None when none does, so the
     step compiles without them): min_p [B]; bias [B, V] (logit_bias clamped to +-100, -inf off
-    allowed_token_ids and on banned ids); min_tokens (end [B] = prompt length + min_tokens, stop_ids)."""
+    allowed_token_ids and on banned ids); min_tokens (end [B] = prompt length + min_tokens, stop_ids);
+    penalties (presence, frequency, repetition, each [B])."""
     n = len(params)
     out = {}
     if any(p.min_p > 0 for p in params):
@@ -114,6 +115,11 @@ def logit_processors(params: Sequence, lengths: np.ndarray, stop_ids: np.ndarray
                 bias[i, int(token)] += float(np.clip(value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT))
             bias[i, list(b)] = -np.inf
         out["bias"] = jnp.asarray(bias)
+    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params):
+        column = lambda name, neutral: jnp.asarray([getattr(p, name) for p in params] + [neutral] * (rows - n),  # noqa: E731
+                                                   jnp.float32)
+        out["penalties"] = (column("presence_penalty", 0.0), column("frequency_penalty", 0.0),
+                            column("repetition_penalty", 1.0))
     if any(p.min_tokens > 0 for p in params):
         end = np.zeros((rows,), np.int32)
         end[:n] = [lengths[i] + p.min_tokens for i, p in enumerate(params)]

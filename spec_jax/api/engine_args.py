@@ -102,9 +102,10 @@ def resolve(kwargs: dict) -> EngineArgs:
                 raise ValueError(f"gpu_memory_utilization={value!r} must be a fraction in (0, 1]")
             args.gpu_memory_utilization = float(value)
         elif name == "quantization":
-            if value is not None and value not in (*QUANTIZE_ON_LOAD, *CHECKPOINT_METHODS):
+            methods = dict.fromkeys((*QUANTIZE_ON_LOAD, *CHECKPOINT_METHODS))
+            if value is not None and value not in methods:
                 raise ValueError(f"quantization={value!r} is not supported; accepted: None, "
-                                 f"{', '.join(repr(m) for m in dict.fromkeys((*QUANTIZE_ON_LOAD, *CHECKPOINT_METHODS)))}")
+                                 f"{', '.join(repr(m) for m in methods)}")
             args.quantization = value
         else:
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")

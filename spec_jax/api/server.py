@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from spec_jax.api.chat import ChatTemplate, RequestError, TextDelta
-from spec_jax.api.llm import LLM, SamplingParams, fan_out
+from spec_jax.api.llm import LLM
+from spec_jax.api.params import SamplingParams, fan_out
 from spec_jax.api.scheduler import MAX_STOP_TOKEN_IDS, Scheduler
 
 

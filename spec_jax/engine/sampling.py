@@ -22,7 +22,8 @@ class RowSampling:
     Optional, None when no row of the batch uses them (the step then compiles without them):
     min_p [B] (0 = off); bias [B, V] float32 added to the raw logits (vLLM's logit_bias, with
     -inf for allowed_token_ids' complement and bad words); min_tokens: (end [B], stop_ids [B, S])
-    - a stop id cannot be emitted at a position below end (prompt length + min_tokens)."""
+    - a stop id cannot be emitted at a position below end (prompt length + min_tokens);
+    penalties: (presence [B], frequency [B], repetition [B]), read with the rows' `TokenHistory`."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -31,14 +32,89 @@ class RowSampling:
     min_p: jax.Array | None = None
     bias: jax.Array | None = None
     min_tokens: tuple[jax.Array, jax.Array] | None = None
+    penalties: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
-def process_logits(logits: jax.Array, params: RowSampling, positions: jax.Array) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TokenHistory:
+    """What the penalties read: counts [B, V] int32 of each token among a row's generated tokens,
+    in_prompt [B, V] bool whether it is in the row's prompt."""
+
+    counts: jax.Array
+    in_prompt: jax.Array
+
+    @classmethod
+    def of_prompts(cls, prompts: jax.Array, prompt_lengths: jax.Array, vocab_size: int) -> TokenHistory:
+        """prompts [B, T] right-padded to prompt_lengths [B]; no generated tokens yet."""
+        B, T = prompts.shape
+        ids = jnp.where(jnp.arange(T)[None, :] < prompt_lengths[:, None], prompts, vocab_size)  # pads drop
+        in_prompt = jnp.zeros((B, vocab_size), bool).at[jnp.arange(B)[:, None], ids].set(True, mode="drop")
+        return cls(jnp.zeros((B, vocab_size), jnp.int32), in_prompt)
+
+    def add(self, new: jax.Array, count: jax.Array) -> TokenHistory:
+        """After writing the first count [B] of the tokens new [B, m] of each row."""
+        B, m = new.shape
+        written = (jnp.arange(m)[None, :] < count[:, None]).astype(jnp.int32)
+        return TokenHistory(self.counts.at[jnp.arange(B)[:, None], new].add(written), self.in_prompt)
+
+    def through(self, drafts: jax.Array) -> jax.Array:
+        """Counts [B, k+1, V] seen by each verify position: position j follows drafts[:, :j] [B, k]."""
+        V = self.counts.shape[-1]
+        before = jnp.cumsum(jax.nn.one_hot(drafts, V, dtype=jnp.int32), axis=1)  # [B, k, V]
+        return self.counts[:, None] + jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EmittedLogprobs:
+    """Log-probabilities of the written tokens under the target's raw logits (vLLM's default
+    `raw_logprobs`): token [B, L] float32 and rank [B, L] int32 (1 = the most likely) of the token
+    at each buffer index; top_ids [B, L, K] int32 and top [B, L, K] float32 the K most likely there."""
+
+    token: jax.Array
+    rank: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
+
+    @classmethod
+    def empty(cls, rows: int, length: int, k: int) -> EmittedLogprobs:
+        return cls(jnp.zeros((rows, length), jnp.float32), jnp.zeros((rows, length), jnp.int32),
+                   jnp.zeros((rows, length, k), jnp.int32), jnp.zeros((rows, length, k), jnp.float32))
+
+    def write(self, idx: jax.Array, logits: jax.Array, new: jax.Array) -> EmittedLogprobs:
+        """The tokens new [B, m] written at buffer indices idx [B, m] (out of range: not written),
+        each drawn from logits [B, m, V]."""
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        token = jnp.take_along_axis(lp, new[..., None], axis=-1)[..., 0]
+        rank = jnp.sum(lp > token[..., None], axis=-1).astype(jnp.int32) + 1
+        top, top_ids = jax.lax.top_k(lp, self.top.shape[-1])
+        rows = jnp.arange(new.shape[0])[:, None]
+        put = lambda old, value: old.at[rows, idx].set(value.astype(old.dtype), mode="drop")  # noqa: E731
+        return EmittedLogprobs(put(self.token, token), put(self.rank, rank), put(self.top_ids, top_ids),
+                               put(self.top, top))
+
+
+def apply_penalties(logits: jax.Array, penalties: tuple, counts: jax.Array, in_prompt: jax.Array) -> jax.Array:
+    """vLLM's penalties: repetition divides a positive logit (multiplies a negative one) of every
+    token in the prompt or the output; then frequency x count and presence x (count > 0) are
+    subtracted. logits and counts [B, V] or [B, T, V]; penalties' arrays [B]; in_prompt [B, V]."""
+    presence, frequency, repetition = (x[:, None] if logits.ndim == 2 else x[:, None, None] for x in penalties)
+    seen = counts > 0
+    repeated = seen | (in_prompt if logits.ndim == 2 else in_prompt[:, None])
+    logits = jnp.where(repeated, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency * counts - presence * seen
+
+
+def process_logits(logits: jax.Array, params: RowSampling, positions: jax.Array,
+                   history: TokenHistory | None = None, counts: jax.Array | None = None) -> jax.Array:
     """The logit processors that change what greedy picks too (vLLM applies them before
-    sampling or argmax): the bias, then min_tokens' ban on stop ids. logits [B, V] or [B, T, V]
-    float32 for the tokens written at positions [B] or [B, T]; the same shape back. Speculation
-    verifies against these logits, so its output distribution is spec-off's."""
-    if params.bias is None and params.min_tokens is None:
+    sampling or argmax): the bias, min_tokens' ban on stop ids, then the penalties. logits
+    [B, V] or [B, T, V] float32 for the tokens written at positions [B] or [B, T]; the same shape
+    back. history: the rows' tokens so far (with penalties); counts: in place of history.counts
+    for a verify pass ([B, T, V], `TokenHistory.through`). Speculation verifies against these
+    logits, so its output distribution is spec-off's."""
+    if params.bias is None and params.min_tokens is None and params.penalties is None:
         return logits
     per_row = lambda x: x if logits.ndim == 2 else x[:, None]  # noqa: E731
     if params.bias is not None:
@@ -50,6 +126,9 @@ def process_logits(logits: jax.Array, params: RowSampling, positions: jax.Array)
             True, mode="drop")  # -1 pads map past the vocabulary and drop
         early = positions < (end if logits.ndim == 2 else end[:, None])  # [B] or [B, T]
         logits = jnp.where(early[..., None] & per_row(is_stop), -jnp.inf, logits)
+    if params.penalties is not None:
+        logits = apply_penalties(logits, params.penalties, history.counts if counts is None else counts,
+                                 history.in_prompt)
     return logits
 
 

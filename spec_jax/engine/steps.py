@@ -30,8 +30,8 @@ from models.layers import Batch
 from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Config, Qwen3_5Model, init_cache
 from proposers import Proposer
 from proposers.oracle import SyntheticAcceptance
-from spec_jax.engine.sampling import (RowSampling, accept_drafts, accept_synthetic, draw, process_logits, sample_tokens,
-                                     warp_logits)
+from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic, draw,
+                                     process_logits, sample_tokens, warp_logits)
 
 log = logging.getLogger("spec_jax")
 
@@ -65,7 +65,9 @@ class DecodeState:
     done: [B] bool. stop_ids: [B, S] int32 (-1 pads). sampling: per-row `RowSampling`.
     cache: the model's `ModelCache`. steps: [] int32 decode steps run so far.
     speculate: [B] bool rows that draft (a per-request opt-out); proposer: the draft method's
-    own state; stats: `SpecStats` (both empty when speculation is off).
+    own state; stats: `SpecStats` (both empty when speculation is off); history: the
+    `TokenHistory` penalties read (None when no row has a penalty); logprobs: the written tokens'
+    `EmittedLogprobs` (None unless asked for).
     """
 
     tokens: jax.Array
@@ -80,6 +82,8 @@ class DecodeState:
     speculate: jax.Array
     proposer: Any = ()
     stats: SpecStats | None = None
+    history: TokenHistory | None = None
+    logprobs: EmittedLogprobs | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,21 +103,25 @@ def plan_taps(plan: SpecPlan | None) -> tuple[int, ...]:
     return getattr(plan.proposer, "taps", ()) if plan is not None else ()
 
 
-def append_tokens(state: DecodeState, new: jax.Array, count: jax.Array, cache) -> DecodeState:
+def append_tokens(state: DecodeState, new: jax.Array, count: jax.Array, cache, logits=None) -> DecodeState:
     """Write up to `count` [B] of the tokens new [B, m] per live row, stopping after the first
-    stop token and at max_lengths; then update done."""
+    stop token and at max_lengths; then update done. logits [B, m, V]: the raw target logits each
+    token was drawn from (for `state.logprobs`; None when it is None)."""
     B, m = new.shape
     j = jnp.arange(m)[None, :]
     is_stop = jnp.any(new[:, :, None] == state.stop_ids[:, None, :], axis=-1) & (j < count[:, None])
     first_stop = jnp.min(jnp.where(is_stop, j, m), axis=1)
     room = state.max_lengths - state.lengths
     n = jnp.where(state.done, 0, jnp.minimum(jnp.minimum(count, first_stop + 1), room))
+    history = None if state.history is None else state.history.add(new, n)
     idx = state.lengths[:, None] + j
     idx = jnp.where(j < n[:, None], idx, state.tokens.shape[1])  # out of range: dropped
     tokens = state.tokens.at[jnp.arange(B)[:, None], idx].set(new, mode="drop")
+    logprobs = None if state.logprobs is None else state.logprobs.write(idx, logits, new)
     lengths = state.lengths + n
     stopped = (first_stop < n) | (lengths >= state.max_lengths)
-    return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=state.done | stopped, cache=cache)
+    return dataclasses.replace(state, tokens=tokens, lengths=lengths, done=state.done | stopped, cache=cache,
+                               history=history, logprobs=logprobs)
 
 
 def drafting_policy(sampling: RowSampling, *, probabilistic: bool, do_sample: bool):
@@ -132,7 +140,8 @@ def drafting_policy(sampling: RowSampling, *, probabilistic: bool, do_sample: bo
 
 
 def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, stop_ids, sampling: RowSampling, done,
-            speculate, reference, *, cache_len: int, do_sample: bool, plan: SpecPlan | None) -> DecodeState:
+            speculate, reference, *, cache_len: int, do_sample: bool, plan: SpecPlan | None,
+            num_logprobs: int | None = None) -> DecodeState:
     """Run the prompts, sample each row's first token, and start the proposer.
 
     prompts: [B, T] int32, right-padded; prompt_lengths: [B] (>= 1); max_lengths: [B];
@@ -146,12 +155,16 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     target = model(prompts, batch, cache, kv_len=T, taps=plan_taps(plan))
     cache = target.cache
     last = target.hidden[jnp.arange(B), prompt_lengths - 1]
-    logits = process_logits(model.logits(last), sampling, prompt_lengths)
-    first = sample_tokens(logits, sampling, prompt_lengths, do_sample=do_sample)
+    history = None if sampling.penalties is None else TokenHistory.of_prompts(prompts, prompt_lengths,
+                                                                              model.cfg.vocab_size)
+    raw = model.logits(last)
+    first = sample_tokens(process_logits(raw, sampling, prompt_lengths, history), sampling, prompt_lengths,
+                          do_sample=do_sample)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :T].set(prompts)
+    logprobs = None if num_logprobs is None else EmittedLogprobs.empty(B, cache_len, num_logprobs)
     state = DecodeState(tokens, prompt_lengths, prompt_lengths, max_lengths, done, stop_ids, sampling, cache,
-                        jnp.zeros((), jnp.int32), speculate)
-    state = append_tokens(state, first[:, None], jnp.ones_like(first), cache)
+                        jnp.zeros((), jnp.int32), speculate, history=history, logprobs=logprobs)
+    state = append_tokens(state, first[:, None], jnp.ones_like(first), cache, raw[:, None])
     if plan is None:
         return state
     choose = drafting_policy(sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
@@ -160,20 +173,22 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
 
 
 def decode_one(model: Qwen3_5Model, state: DecodeState, taps: tuple[int, ...], *,
-               do_sample: bool) -> tuple[jax.Array, ForwardOut]:
-    """Feed each live row's newest token; returns the next token [B] and the pass's `ForwardOut`."""
+               do_sample: bool) -> tuple[jax.Array, ForwardOut, jax.Array]:
+    """Feed each live row's newest token; returns the next token [B], the pass's `ForwardOut` and
+    its raw logits [B, V]."""
     B, L = state.tokens.shape
     newest = state.tokens[jnp.arange(B), state.lengths - 1][:, None]
     batch = Batch(start=state.lengths - 1, n_valid=(~state.done).astype(jnp.int32))
     out = model(newest, batch, state.cache, kv_len=L, taps=taps)
-    logits = process_logits(model.logits(out.hidden[:, 0]), state.sampling, state.lengths)
-    return sample_tokens(logits, state.sampling, state.lengths, do_sample=do_sample), out
+    raw = model.logits(out.hidden[:, 0])
+    logits = process_logits(raw, state.sampling, state.lengths, state.history)
+    return sample_tokens(logits, state.sampling, state.lengths, do_sample=do_sample), out, raw
 
 
 def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bool) -> DecodeState:
     """Plain decoding: feed each live row's newest token and sample the next one."""
-    nxt, out = decode_one(model, state, (), do_sample=do_sample)
-    state = append_tokens(state, nxt[:, None], jnp.ones_like(nxt), out.cache)
+    nxt, out, raw = decode_one(model, state, (), do_sample=do_sample)
+    state = append_tokens(state, nxt[:, None], jnp.ones_like(nxt), out.cache, raw[:, None])
     return dataclasses.replace(state, steps=state.steps + 1)
 
 
@@ -201,7 +216,9 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
         batch = Batch(start=state.lengths - 1, n_valid=jnp.where(live, n_draft + 1, 0))
         target = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback, taps=plan_taps(plan))
         positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
-        logits = process_logits(model.logits(target.hidden), state.sampling, positions)
+        counts = None if state.history is None else state.history.through(drafts)
+        raw = model.logits(target.hidden)
+        logits = process_logits(raw, state.sampling, positions, state.history, counts)
         if isinstance(plan.proposer, SyntheticAcceptance):
             n_acc, emitted = accept_synthetic(plan.proposer.rates_of(pstate), logits, drafts, n_draft,
                                               state.sampling, state.lengths, do_sample=do_sample)
@@ -209,27 +226,31 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
             n_acc, emitted = accept_drafts(logits, drafts, n_draft, q, state.sampling, state.lengths,
                                            do_sample=do_sample)
         cache = model.commit(target.cache, target.pending, jnp.where(live, n_acc + 1, 0))
-        return n_acc, emitted, cache, dataclasses.replace(target, cache=None, pending=None)
+        return n_acc, emitted, cache, dataclasses.replace(target, cache=None, pending=None), kept(raw)
 
     def decode_only(_):
         # `decode_one`, its outputs padded to the k+1 positions proposers read (past
         # n_acc + 1 = 1 they are never read).
-        nxt, target = decode_one(model, state, plan_taps(plan), do_sample=do_sample)
+        nxt, target, raw = decode_one(model, state, plan_taps(plan), do_sample=do_sample)
         pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, k), (0, 0)))  # noqa: E731
         emitted = jnp.concatenate([nxt[:, None], drafts], axis=1)
-        return jnp.zeros_like(n_draft), emitted, target.cache, ForwardOut(pad(target.hidden), None, pad(target.taps))
+        return (jnp.zeros_like(n_draft), emitted, target.cache, ForwardOut(pad(target.hidden), None, pad(target.taps)),
+                kept(pad(raw[:, None])))
+
+    def kept(raw):  # the raw logits leave the branch only when logprobs are kept
+        return None if state.logprobs is None else raw
 
     if getattr(plan.proposer, "may_not_draft", False):
-        n_acc, emitted, cache, target = jax.lax.cond(jnp.any(n_draft > 0), verify, decode_only, None)
+        n_acc, emitted, cache, target, raw = jax.lax.cond(jnp.any(n_draft > 0), verify, decode_only, None)
     else:
-        n_acc, emitted, cache, target = verify(None)
+        n_acc, emitted, cache, target, raw = verify(None)
     pstate = plan.proposer.update(model, draft, pstate, target, emitted, n_acc, state.lengths, choose)
 
     s = state.stats
     accepted_at = (jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None]
     stats = SpecStats(s.drafted + n_draft, s.accepted + jnp.where(live, n_acc, 0),
                       s.num_drafts + (n_draft > 0), s.per_position + accepted_at)
-    state = append_tokens(state, emitted, n_acc + 1, cache)
+    state = append_tokens(state, emitted, n_acc + 1, cache, raw)
     return dataclasses.replace(state, proposer=pstate, stats=stats, steps=state.steps + 1)
 
 
@@ -365,10 +386,10 @@ class Engine:
                    if hasattr(leaf, "dtype") and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
     def prefill(self, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done, speculate, reference,
-                do_sample: bool) -> DecodeState:
-        fn = partial(prefill, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan)
+                do_sample: bool, num_logprobs: int | None = None) -> DecodeState:
+        fn = partial(prefill, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan, num_logprobs=num_logprobs)
         return self._compiled("prefill", fn, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done,
-                              speculate, reference, static=(do_sample,))
+                              speculate, reference, static=(do_sample, num_logprobs))
 
     def decode(self, state: DecodeState, max_steps: int, do_sample: bool) -> DecodeState:
         fn = partial(decode_loop, do_sample=do_sample, plan=self.plan)
