@@ -9,16 +9,15 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 # XLA's CPU backend at its cheapest optimisation: the tests' programs are tiny and compiled once
-# each, so compile time dominates the suite (about 1.3x faster overall, the interpret-mode Pallas
-# kernels included). Flags the caller set come after these, so theirs win.
+# each, so compile time dominates most tests (those run about 1.3x faster, the interpret-mode Pallas
+# kernels included; the few that generate thousands of tokens run slower). Flags the caller set
+# come after these, so theirs win.
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SPEC_JAX_XLA_CACHE", str(Path(__file__).parent.parent / ".venv" / "xla-cache"))
 if FAST_COMPILE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once: a pytest started from a test sees them set
     os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
-
-
 
 from models.qwen3_5 import Qwen3_5Config  # noqa: E402
 from spec_jax import SamplingParams  # noqa: E402
