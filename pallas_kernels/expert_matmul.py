@@ -74,33 +74,33 @@ class Tiling:
         return n % self.block_n == 0 and k % min(self.block_k, k) == 0
 
 
-def _gate_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, k: int, bn: int, bk: int, k_steps: int):
-    """Pair p, output block j: o[p, j*bn:(j+1)*bn] = x[p // k] @ w[ids[p], block]^T."""
-    p, j = pl.program_id(0), pl.program_id(1)
-    e, row = ids_ref[p], p // k
+def _expert_block(w_ref, e, j, load_input, *, bn: int, bk: int, k_steps: int) -> jax.Array:
+    """Output block j [bn] float32 of input @ w[e]^T, the input's K tile i read by load_input(i) [bk]."""
 
     def body(i, acc):
         w = w_ref[e, pl.ds(j * bn, bn), pl.ds(i * bk, bk)].astype(jnp.float32)
-        x = x_ref[row, pl.ds(i * bk, bk)].astype(jnp.float32)
-        return acc + jnp.sum(w * x[None, :], axis=1)
+        return acc + jnp.sum(w * load_input(i)[None, :], axis=1)
 
-    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bn,), jnp.float32))
-    o_ref[p, pl.ds(j * bn, bn)] = acc
+    return jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bn,), jnp.float32))
+
+
+def _gate_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, k: int, bn: int, bk: int, k_steps: int):
+    """Pair p, output block j: o[p, j*bn:(j+1)*bn] = x[p // k] @ w[ids[p], block]^T."""
+    p, j = pl.program_id(0), pl.program_id(1)
+    row = p // k
+    load_x = lambda i: x_ref[row, pl.ds(i * bk, bk)].astype(jnp.float32)  # noqa: E731
+    o_ref[p, pl.ds(j * bn, bn)] = _expert_block(w_ref, ids_ref[p], j, load_x, bn=bn, bk=bk, k_steps=k_steps)
 
 
 def _down_kernel(ids_ref, r_ref, gu_ref, w_ref, o_ref, *, half: int, bn: int, bk: int, k_steps: int):
     """Pair p, output block j: o[p, block] = r[p] * (silu(gate[p]) * up[p]) @ w[ids[p], block]^T."""
     p, j = pl.program_id(0), pl.program_id(1)
-    e = ids_ref[p]
 
-    def body(i, acc):
+    def load_h(i):  # the SwiGLU of the gate_up kernel's output, as the K tile is read
         gate = gu_ref[p, pl.ds(i * bk, bk)]
-        up = gu_ref[p, pl.ds(half + i * bk, bk)]
-        h = gate * jax.nn.sigmoid(gate) * up
-        w = w_ref[e, pl.ds(j * bn, bn), pl.ds(i * bk, bk)].astype(jnp.float32)
-        return acc + jnp.sum(w * h[None, :], axis=1)
+        return gate * jax.nn.sigmoid(gate) * gu_ref[p, pl.ds(half + i * bk, bk)]
 
-    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((bn,), jnp.float32))
+    acc = _expert_block(w_ref, ids_ref[p], j, load_h, bn=bn, bk=bk, k_steps=k_steps)
     o_ref[p, pl.ds(j * bn, bn)] = (acc * r_ref[p]).astype(o_ref.dtype)
 
 

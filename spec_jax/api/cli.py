@@ -14,6 +14,20 @@ import sys
 import time
 
 
+# vLLM's engine-argument flags: passed to LLM when given (None: not given).
+VLLM_FLAGS = {
+    "gpu_memory_utilization": dict(type=float, help="size --max-num-seqs to this share of device memory beside the "
+                                                    "weights"),
+    "quantization": dict(help="'fp8': quantize the projections as they load"),
+    "tensor_parallel_size": dict(type=int, help="1 (one device)"),
+    "kv_cache_dtype": dict(help="auto"),
+    **{name: dict(action="store_true", help="accepted and ignored") for name in (
+        "enforce_eager", "trust_remote_code", "enable_prefix_caching", "enable_chunked_prefill", "disable_log_stats")},
+    **{name: dict(type=int, help="accepted and ignored") for name in (
+        "swap_space", "max_num_batched_tokens", "block_size")},
+}
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory (HF safetensors) or a .gguf file; default: the embedded default model")
@@ -28,16 +42,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how GDN state returns to the accepted prefix after verification")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json, a directory holding one, or a cached repo id")
     vllm = p.add_argument_group("vLLM engine arguments (spec_jax/api/engine_args.py says which are used)")
-    vllm.add_argument("--gpu-memory-utilization", type=float, default=None,
-                      help="size --max-num-seqs to this share of device memory beside the weights")
-    vllm.add_argument("--quantization", default=None, help="'fp8': quantize the projections as they load")
-    vllm.add_argument("--tensor-parallel-size", type=int, default=1)
-    vllm.add_argument("--kv-cache-dtype", default="auto")
-    for flag in ("--enforce-eager", "--trust-remote-code", "--enable-prefix-caching", "--enable-chunked-prefill",
-                 "--disable-log-stats"):
-        vllm.add_argument(flag, action="store_true", default=None, help="accepted and ignored")
-    for flag in ("--swap-space", "--max-num-batched-tokens", "--block-size"):
-        vllm.add_argument(flag, type=int, default=None, help="accepted and ignored")
+    for name, options in VLLM_FLAGS.items():
+        vllm.add_argument("--" + name.replace("_", "-"), default=None, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,11 +103,6 @@ def parse_ids(text: str, flag: str) -> list[int]:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise SystemExit(f"error: {flag} {text!r} is not a comma-separated list of integers") from None
-
-
-VLLM_FLAGS = ("gpu_memory_utilization", "quantization", "tensor_parallel_size", "kv_cache_dtype", "enforce_eager",
-              "trust_remote_code", "enable_prefix_caching", "enable_chunked_prefill", "disable_log_stats", "swap_space",
-              "max_num_batched_tokens", "block_size")
 
 
 def load_llm(args):

@@ -88,7 +88,7 @@ def resolve(kwargs: dict) -> EngineArgs:
     args = EngineArgs()
     for name, value in kwargs.items():
         if name in IGNORED:
-            if value not in (None, False, 0) or name in ("enforce_eager", "trust_remote_code"):
+            if value not in (None, False, 0):  # it asks for something this engine does not do
                 say_ignored(name, value)
         elif name in SINGLE_DEVICE:
             if value not in (None, 1):

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import time
@@ -313,9 +314,11 @@ class LLM:
                 chunk = rows[s:s + n]
                 completions += self._run_batch([requests[r][1] for r, _ in chunk], [p for _, p in chunk])
                 bar.update(len(chunk))
+        by_request: list[list] = [[] for _ in requests]
+        for (owner, _), completion in zip(rows, completions):
+            by_request[owner].append(completion)
         outputs = []
-        for r, (text, ids) in enumerate(requests):
-            mine = [c for (owner, _), c in zip(rows, completions) if owner == r]
+        for (text, ids), mine in zip(requests, by_request):
             for i, (out, _) in enumerate(mine):
                 out.index = i
             self._requests += 1
@@ -340,10 +343,16 @@ class LLM:
         texts = [template.render(c, extra) for c in conversations]
         return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
 
+    @functools.cached_property
+    def checkpoint_chat_template(self) -> ChatTemplate | None:
+        """The checkpoint's own chat template, read and compiled once; None if it has none."""
+        return ChatTemplate.of_checkpoint(self.model_path) if self.model_path else None
+
     def _chat_template(self, override: str | None) -> ChatTemplate:
-        if override is not None and not Path(override).is_file():
-            return ChatTemplate(override)  # the template's source itself
-        template = ChatTemplate.of_checkpoint(self.model_path or "", override) if self.model_path else None
+        if override is not None:  # a file, or the template's source itself
+            return ChatTemplate.of_checkpoint(self.model_path or "", override) if Path(override).is_file() \
+                else ChatTemplate(override)
+        template = self.checkpoint_chat_template
         if template is None:
             raise ValueError(f"{self.model_path} has no chat template (no chat_template in its tokenizer_config.json, "
                              f"no chat_template.jinja); pass chat_template=, or call generate with the prompt text")
@@ -353,8 +362,7 @@ class LLM:
         """The checkpoint's tokenizer with its chat template (encode, decode, apply_chat_template)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.model_path} has no tokenizer.json (pass tokenizer= a file or directory)")
-        template = ChatTemplate.of_checkpoint(self.model_path) if self.model_path else None
-        return ChatTokenizer(self.tokenizer, template)
+        return ChatTokenizer(self.tokenizer, self.checkpoint_chat_template)
 
     def get_metrics(self) -> list:
         """vLLM's `LLM.get_metrics()`: counters over this LLM's lifetime under vLLM's names
@@ -489,7 +497,9 @@ class LLM:
                                                  p.include_stop_str_in_output)
             if stop is not None:
                 return CompletionOutput(0, text if p.detokenize else "", cut, "stop", stop)
-        text = self.tokenizer.decode(gen, p.skip_special_tokens) if self.tokenizer and p.detokenize else ""
+            text = text if p.detokenize else ""
+        else:
+            text = self.tokenizer.decode(gen, p.skip_special_tokens) if self.tokenizer and p.detokenize else ""
         if gen and gen[-1] in stop_ids:
             return CompletionOutput(0, text, gen, "stop", None if gen[-1] in self.cfg.eos_token_id else gen[-1])
         return CompletionOutput(0, text, gen, "length")

@@ -17,7 +17,8 @@ def request_metrics(n_prompt: int, n_gen: int, prefill_s: float, decode_s: float
         m.update(num_drafts=steps, num_draft_tokens=drafted, num_accepted_tokens=accepted,
                  acceptance_rate=accepted / drafted if drafted else 0.0,
                  mean_acceptance_length=1 + accepted / steps if steps else 1.0,
-                 acceptance_per_position=[int(a) / steps if steps else 0.0 for a in stats.per_position[row]])
+                 acceptance_per_position=[int(a) / steps if steps else 0.0 for a in stats.per_position[row]],
+                 num_accepted_per_position=[int(a) for a in stats.per_position[row]])
     return m
 
 
@@ -34,12 +35,12 @@ def merge_metrics(ms: Sequence[dict]) -> dict:
         steps = sum(m["num_drafts"] for m in ms)
         drafted = sum(m["num_draft_tokens"] for m in ms)
         accepted = sum(m["num_accepted_tokens"] for m in ms)
-        k = len(ms[0]["acceptance_per_position"])
-        per_pos = [sum(m["acceptance_per_position"][i] * m["num_drafts"] for m in ms) / steps if steps else 0.0
-                   for i in range(k)]
+        counts = [sum(pos) for pos in zip(*(m["num_accepted_per_position"] for m in ms))]
         total.update(num_drafts=steps, num_draft_tokens=drafted, num_accepted_tokens=accepted,
                      acceptance_rate=accepted / drafted if drafted else 0.0,
-                     mean_acceptance_length=1 + accepted / steps if steps else 1.0, acceptance_per_position=per_pos)
+                     mean_acceptance_length=1 + accepted / steps if steps else 1.0,
+                     acceptance_per_position=[c / steps if steps else 0.0 for c in counts],
+                     num_accepted_per_position=counts)
     return total
 
 
@@ -79,7 +80,7 @@ class LifetimeCounters:
                 self.drafts += m["num_drafts"]
                 self.draft_tokens += m["num_draft_tokens"]
                 self.accepted_tokens += m["num_accepted_tokens"]
-                counts = [round(f * m["num_drafts"]) for f in m["acceptance_per_position"]]
+                counts = m["num_accepted_per_position"]
                 self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos or [0] * len(counts), counts)]
 
     def metrics(self) -> list:
