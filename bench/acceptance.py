@@ -8,7 +8,8 @@ the two tokens at the first difference is reported: bf16 rounding can only flip 
 Prompts are evenly spaced windows of the corpus's held-out streams (`--corpus`, the file training
 used), or, without it, of this machine's held-out standard-library documents tokenized with the
 model's tokenizer. Methods: mtp k = 1..3, ngram k = 3, dflash (k = block_size - 1) when
-MODEL/dflash exists, draft_model k = 3 and 4 when MODEL/draft exists. Writes OUT.json and OUT.md.
+MODEL/dflash exists, eagle3 k = 1..3 when MODEL/eagle3 exists, draft_model k = 3 and 4 when
+MODEL/draft exists. Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def speculative_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
     if (model_dir / "dflash" / "config.json").exists():
         block = json.loads((model_dir / "dflash" / "config.json").read_text())["dflash_config"]["block_size"]
         specs.append({"method": "dflash", "model": str(model_dir / "dflash"), "num_speculative_tokens": block - 1})
+    if (model_dir / "eagle3" / "config.json").exists():
+        specs += [{"method": "eagle3", "model": str(model_dir / "eagle3"), "num_speculative_tokens": k}
+                  for k in (1, 2, 3)]
     if (model_dir / "draft" / "config.json").exists():
         specs += [{"method": "draft_model", "model": str(model_dir / "draft"), "num_speculative_tokens": k}
                   for k in (3, 4)]

@@ -3,6 +3,8 @@
 * the target: HF Qwen3.5 safetensors with VL-wrapped names (`model.language_model.*`) and the
   `mtp.*` head, config.json, generation_config.json, tokenizer.json, tokenizer_config.json;
 * `dflash/`: z-lab's DFlash layout (`fc`, `hidden_norm`, `layers.{i}.self_attn.*`, `norm`);
+* `eagle3/`: the Speculators EAGLE-3 layout (`fc`, `layers.0.*`, `norm`, `lm_head`, `d2t`) that
+  vLLM's `Eagle3LlamaForCausalLM` reads;
 * `draft/`: a plain Qwen3 (`Qwen3ForCausalLM`) for `draft_model`.
 
 Weights are written in bfloat16, in shards of at most `MAX_SHARD_BYTES` (files come back from
@@ -21,9 +23,10 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from models.dflash import DFlashConfig
+from models.eagle3 import Eagle3Config
 from models.qwen3 import Qwen3Config
 from models.qwen3_5 import Qwen3_5Config
-from spec_jax.loading.drafters import dflash_sources
+from spec_jax.loading.drafters import dflash_sources, drafter_sources
 from spec_jax.loading.qwen3 import qwen3_sources
 from spec_jax.loading.source import is_stacked, param_sources
 from spec_jax.training.corpus import tokenizer_config
@@ -90,6 +93,36 @@ def export_dflash(out_dir: str | Path, cfg: DFlashConfig, params: nnx.State) -> 
     out_dir = Path(out_dir)
     save_sharded(named_tensors(params, lambda path: dflash_sources(path, cfg)), out_dir)
     write_json(out_dir / "config.json", drafter_config_json(cfg, "dflash"))
+    return out_dir
+
+
+def eagle3_config_json(cfg: Eagle3Config) -> dict:
+    """config.json of a Speculators EAGLE-3 head: the midlayer's geometry under
+    `transformer_layer_config`, the taps as aux ids (the hidden state entering layer id, so our
+    layer index + 1)."""
+    layer = {"model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+             "num_hidden_layers": 1, "num_attention_heads": cfg.num_attention_heads,
+             "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+             "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu",
+             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+    return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+            "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size,
+            "norm_before_residual": cfg.norm_before_residual, "target_hidden_size": cfg.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                                   "verifier": {"name_or_path": "..",
+                                                "architectures": ["Qwen3_5ForConditionalGeneration"]}}}
+
+
+def export_eagle3(out_dir: str | Path, cfg: Eagle3Config, params: nnx.State, d2t: np.ndarray) -> Path:
+    """The EAGLE-3 head in the Speculators layout (it reads the target's embedding); `d2t` [Vd]
+    int64 offsets: draft id d stands for target id d + d2t[d]."""
+    out_dir = Path(out_dir)
+    tensors = named_tensors(params, drafter_sources)
+    tensors["d2t"] = np.asarray(d2t, np.int64)
+    save_sharded(tensors, out_dir)
+    write_json(out_dir / "config.json", eagle3_config_json(cfg))
     return out_dir
 
 

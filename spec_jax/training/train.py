@@ -5,15 +5,19 @@
 2. dflash: a DFlash block drafter distilled from the frozen target: the target greedily continues
    corpus prompts, and the drafter learns to predict those continuations block by block from the
    target's layer taps (so what it learns is what greedy verification accepts);
-3. draft: a small plain Qwen3 for `draft_model`, distilled from the target's next-token
+3. eagle3: an EAGLE-3 head on the same greedy continuations, trained as it drafts (training-time
+   test): step 0 reads the target's taps, each later step its own previous output, for
+   `--ttt-steps` chained drafts, under the attention mask the chained proposer's cache gives;
+4. draft: a small plain Qwen3 for `draft_model`, distilled from the target's next-token
    distribution on the corpus.
 
-Each stage trains until its `--minutes-*` budget is spent (compilation not counted), keeps the
+Each stage trains until its `--minutes-*` budget is spent (compilation not counted; with
+`--deadline-minutes` a stage gets less when the whole run would not end in time), keeps the
 weights with the best held-out figure, and is exported at once into --out (target at the top,
-`dflash/`, `draft/`), the layout of `spec_jax/assets/default/`.
+`dflash/`, `eagle3/`, `draft/`), the layout of `spec_jax/assets/default/`.
 
-    python -m spec_jax.training.train --out DIR --corpus corpus.npz \
-        --minutes-target 4 --minutes-dflash 1.5 --minutes-draft 1.5
+    python -m spec_jax.training.corpus corpus.npz --tokenizer spec_jax/assets/default/tokenizer.json
+    python -m spec_jax.training.train --out DIR --corpus corpus.npz --deadline-minutes 8
     python -m spec_jax.training.train --out DIR --corpus c.npz --tiny --max-steps 20   # CPU smoke run
 """
 
@@ -34,15 +38,18 @@ import optax
 from flax import nnx
 
 from models.dflash import DFlashDraft
-from models.layers import KVCache
+from models.eagle3 import Eagle3Draft
+from models.layers import KVCache, attend_masked
 from models.qwen3 import Qwen3Model
 from models.qwen3_5 import Qwen3_5Model, init_mtp_cache
 from spec_jax.training import export
 from spec_jax.training.corpus import EOS, KINDS, MASK, Corpus, build_corpus, load_corpus
 from spec_jax.training.data import Windows, full_batch, greedy_continue, heldout_windows
-from spec_jax.training.geometry import count_params, dflash_config, draft_config, init_weights, target_config
+from spec_jax.training.geometry import (count_params, dflash_config, draft_config, eagle3_config, init_weights,
+                                        target_config)
 
-STAGES = ("target", "dflash", "draft")
+STAGES = ("target", "dflash", "eagle3", "draft")
+STAGE_OVERHEAD_S = 35  # a stage's compilation, evaluations and export, outside its training budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +79,28 @@ class Schedule:
 class Graph:
     """A model's graph in the compute dtype, run from float32 master weights: `bind(params)`
     casts each master to its parameter's compute dtype (norms, A_log and dt_bias stay float32,
-    as the model declares them) and merges. make(dtype) builds the module."""
+    as the model declares them) and merges. make(dtype) builds the module. Parameters matching
+    `frozen` (an nnx filter) are not trained: they keep the values `init` gave them."""
 
-    def __init__(self, make, dtype):
+    def __init__(self, make, dtype, frozen=nnx.Nothing):
         self.make = make
-        self.graphdef, self.shapes = nnx.split(nnx.eval_shape(lambda: make(dtype)))
+        self.trainable = nnx.All(nnx.Param, nnx.Not(frozen))
+        self.graphdef, self.shapes, self.fixed = nnx.split(nnx.eval_shape(lambda: make(dtype)), self.trainable, ...)
 
     def init(self, seed: int, num_layers: int):
         """Fresh float32 master weights (see `init_weights`)."""
-        return nnx.state(init_weights(self.make(jnp.float32), seed, num_layers))
+        _, params, self.fixed = nnx.split(init_weights(self.make(jnp.float32), seed, num_layers), self.trainable, ...)
+        return params
 
     def cast(self, params):
         return jax.tree.map(lambda p, s: p.astype(s.dtype), params, self.shapes)
 
+    def merge(self, cast_params):
+        """The module from parameters already in the compute dtype (a frozen model's)."""
+        return nnx.merge(self.graphdef, cast_params, self.fixed)
+
     def bind(self, params):
-        return nnx.merge(self.graphdef, self.cast(params))
+        return self.merge(self.cast(params))
 
 
 def log(msg: str) -> None:
@@ -208,14 +222,45 @@ def train_target(corpus: Corpus, args, dtype, key):
     return cfg, params, history
 
 
-# ----------------------------------------------------------------------------- DFlash
+# ----------------------------------------------------------------------------- greedy continuations
 
 
-def target_continuations(target: Qwen3_5Model, params, graphdef, prompts: np.ndarray, n_new: int, batch: int):
+def target_continuations(target: Graph, params, prompts: np.ndarray, n_new: int, batch: int):
     """The target's greedy continuations of prompts [N, P], `batch` rows at a time -> [N, P+n_new]."""
-    run = jax.jit(lambda p, x: greedy_continue(nnx.merge(graphdef, p), x, n_new))
+    run = jax.jit(lambda p, x: greedy_continue(target.merge(p), x, n_new))
     out = [np.asarray(run(params, jnp.asarray(prompts[s:s + batch]))) for s in range(0, len(prompts), batch)]
     return np.concatenate(out)
+
+
+@dataclasses.dataclass
+class Continuations:
+    """What the DFlash and EAGLE-3 drafters learn from: the frozen target (compute dtype), its
+    greedy continuations of random corpus prompts (seqs [N, T]) and of held-out prompts
+    (heldout [M, T]); the first `prompt_len` tokens of a row are the prompt."""
+
+    target: Graph
+    frozen: nnx.State
+    seqs: np.ndarray
+    heldout: np.ndarray
+    prompt_len: int
+
+
+def continuations(corpus: Corpus, tcfg, tparams, args, dtype, key) -> Continuations:
+    target = Graph(lambda dt: Qwen3_5Model(tcfg, dtype=dt), dtype)
+    frozen = target.cast(tparams)
+    P, T = args.prompt_len, args.seq_len
+    windows = Windows.from_corpus(corpus, args.prose_fraction)
+    prompts = np.asarray(jax.jit(Windows.sample, static_argnums=(2, 3))(windows, key, args.sequences, P))
+    heldout = np.concatenate([heldout_windows(corpus, k, args.eval_windows, P) for k in KINDS])
+    t0 = time.perf_counter()
+    seqs = target_continuations(target, frozen, prompts, T - P, args.gen_batch)
+    held_seqs = target_continuations(target, frozen, heldout, T - P, args.gen_batch)
+    log(f"[continuations] {seqs.shape[0]} + {held_seqs.shape[0]} greedy continuations of {T - P} tokens "
+        f"in {time.perf_counter() - t0:.1f}s")
+    return Continuations(target, frozen, seqs, held_seqs, P)
+
+
+# ----------------------------------------------------------------------------- DFlash
 
 
 def dflash_loss(draft: DFlashDraft, target: Qwen3_5Model, seqs: jax.Array, anchors: jax.Array, gamma: float):
@@ -248,42 +293,134 @@ def draw_anchors(key, B: int, A: int, prompt_len: int, T: int, bs: int) -> jax.A
     return jax.random.randint(key, (B, A), prompt_len - 1, T - bs + 1)
 
 
-def train_dflash(corpus: Corpus, tcfg, tparams, args, dtype, key):
+def train_dflash(corpus: Corpus, tcfg, data: Continuations, args, dtype, key):
     cfg = dflash_config(tcfg, corpus.tokenizer.token_to_id(MASK), tiny=args.tiny)
-    target = Graph(lambda dt: Qwen3_5Model(tcfg, dtype=dt), dtype)
-    frozen = target.cast(tparams)
     draft = Graph(lambda dt: DFlashDraft(cfg, dtype=dt), dtype)
     params = draft.init(args.seed + 1, cfg.num_hidden_layers)
     log(f"[dflash] {count_params(draft.bind(params)) / 1e6:.2f}M parameters (embedding and lm_head shared)")
-    P, T, bs = args.prompt_len, args.seq_len, cfg.block_size
-    windows = Windows.from_corpus(corpus, args.prose_fraction)
-    key, k_prompts = jax.random.split(key)
-    prompts = np.asarray(jax.jit(Windows.sample, static_argnums=(2, 3))(windows, k_prompts, args.dflash_sequences, P))
-    heldout = np.concatenate([heldout_windows(corpus, k, args.eval_windows, P) for k in KINDS])
-    t0 = time.perf_counter()
-    seqs = target_continuations(target, frozen, target.graphdef, prompts, T - P, args.gen_batch)
-    held_seqs = target_continuations(target, frozen, target.graphdef, heldout, T - P, args.gen_batch)
-    log(f"[dflash] generated {seqs.shape[0]} + {held_seqs.shape[0]} greedy continuations of {T - P} tokens "
-        f"in {time.perf_counter() - t0:.1f}s")
-    data = {"target": frozen, "seqs": jnp.asarray(seqs), "heldout": jnp.asarray(held_seqs),
-            "heldout_anchors": draw_anchors(jax.random.key(1), len(held_seqs), args.anchors, P, T, bs)}
+    P, T, bs = data.prompt_len, args.seq_len, cfg.block_size
+    arrays = {"target": data.frozen, "seqs": jnp.asarray(data.seqs), "heldout": jnp.asarray(data.heldout),
+              "heldout_anchors": draw_anchors(jax.random.key(1), len(data.heldout), args.anchors, P, T, bs)}
     sched = Schedule(args.minutes_dflash, args.batch_dflash, args.lr_dflash, args.warmup, args.max_steps,
                      log_every=args.log_every, eval_every=args.eval_every)
 
-    def loss_fn(params, data, key):
+    def loss_fn(params, arrays, key):
         k_rows, k_anchors = jax.random.split(key)
-        rows = jax.random.randint(k_rows, (sched.batch,), 0, data["seqs"].shape[0])
+        rows = jax.random.randint(k_rows, (sched.batch,), 0, arrays["seqs"].shape[0])
         anchors = draw_anchors(k_anchors, sched.batch, args.anchors, P, T, bs)
-        return dflash_loss(draft.bind(params), nnx.merge(target.graphdef, data["target"]), data["seqs"][rows],
-                           anchors, args.gamma)
+        return dflash_loss(draft.bind(params), data.target.merge(arrays["target"]), arrays["seqs"][rows], anchors,
+                           args.gamma)
 
-    def eval_fn(params, data):
-        return dflash_loss(draft.bind(params), nnx.merge(target.graphdef, data["target"]), data["heldout"],
-                           data["heldout_anchors"], args.gamma)[1]
+    def eval_fn(params, arrays):
+        return dflash_loss(draft.bind(params), data.target.merge(arrays["target"]), arrays["heldout"],
+                           arrays["heldout_anchors"], args.gamma)[1]
 
-    params, history = fit("dflash", params, loss_fn, eval_fn, data, sched, key, "accept_len",
-                          higher_is_better=True)
+    params, history = fit("dflash", params, loss_fn, eval_fn, arrays, sched, key, "accept_len", higher_is_better=True)
     return cfg, params, history
+
+
+# ----------------------------------------------------------------------------- EAGLE-3
+
+
+def draft_vocabulary(seqs: np.ndarray, prompt_len: int, size: int, vocab_size: int) -> np.ndarray:
+    """The `size` target ids the target emits most often in its continuations, ascending (a
+    sorted table keeps d2t's offsets monotone and every draft id's target id distinct)."""
+    counts = np.bincount(seqs[:, prompt_len:].ravel(), minlength=vocab_size)
+    return np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int64)
+
+
+def ttt_mask(T: int, step: int) -> jax.Array:
+    """Which keys a step-`step` query at row p sees, over the keys of steps 0..step ([T, (step+1) T]):
+    the chained proposer's cache at that draft holds the target-fed rows up to p - step and, in the
+    slots after them, the K/V each earlier chained step wrote, its own last (slot p)."""
+    p = jnp.arange(T)[:, None]
+    q = jnp.arange(T)[None, :]
+    blocks = [q <= p - step] + [q == p - step + i for i in range(1, step + 1)]
+    return jnp.concatenate(blocks, axis=1)
+
+
+def eagle3_steps(draft: Eagle3Draft, target: Qwen3_5Model, seqs: jax.Array, steps: int):
+    """The head run as it drafts, on seqs [B, T]. Row p reads token p+1 and predicts token p+2;
+    step 0 reads fc(the target's taps at p), step j > 0 the head's own step j-1 output at row
+    p-1, as the proposer chains. Returns the pre-norm outputs of every step [steps, B, T, H]."""
+    cfg, layer = draft.cfg, draft.layers[0]
+    B, T = seqs.shape
+    taps = target(seqs, full_batch(B, T), target.init_cache(B, T), kv_len=T, taps=cfg.target_layer_ids).taps
+    next_tokens = jnp.pad(seqs[:, 1:], ((0, 0), (0, 1)))
+    embedded = layer.input_layernorm(draft.embed(next_tokens, target.embed).astype(draft.dtype))
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    hidden = draft.fc(taps.astype(draft.dtype))
+    keys, values, outs = [], [], []
+    for j in range(steps):
+        normed = layer.hidden_norm(hidden)
+        residual = normed if cfg.norm_before_residual else hidden
+        q, _, k, v = layer.self_attn.project_heads(jnp.concatenate([embedded, normed], axis=-1), positions)
+        keys.append(k)
+        values.append(v)
+        visible = jnp.broadcast_to(ttt_mask(T, j), (B, T, (j + 1) * T))
+        o = attend_masked(q, jnp.concatenate(keys, axis=1), jnp.concatenate(values, axis=1), visible)
+        h = residual + layer.self_attn.output(o, None)
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        outs.append(out)
+        hidden = jnp.pad(out[:, :-1], ((0, 0), (1, 0), (0, 0)))  # row p chains on row p-1's output
+    return jnp.stack(outs)
+
+
+def eagle3_loss(draft: Eagle3Draft, target: Qwen3_5Model, seqs: jax.Array, t2d: jax.Array, prompt_len: int,
+                steps: int, decay: float):
+    """Cross entropy of every step's draft-vocabulary logits against the greedy token p+2 (mapped
+    by t2d [V] to a draft id, -1 off the draft vocabulary: such rows cannot be drafted and are
+    left out), over rows whose label was generated; step j weighs decay**j. accept_len: from a
+    row p, the drafts a greedy verifier accepts of the chain step 0 at p, step 1 at p+1, ..."""
+    B, T = seqs.shape
+    outs = eagle3_steps(draft, target, seqs, steps)
+    logits = draft.lm_head(draft.norm(outs)).astype(jnp.float32)  # [steps, B, T, Vd]
+    labels = jnp.pad(seqs[:, 2:], ((0, 0), (0, 2)))  # row p: token p+2
+    draft_labels = t2d[labels]
+    rows = jnp.arange(T)
+    ce = cross_entropy(logits, jnp.broadcast_to(jnp.maximum(draft_labels, 0), logits.shape[:-1]))  # [steps, B, T]
+    losses, correct = [], []
+    for j in range(steps):
+        valid = (rows >= max(j, prompt_len - 2)) & (rows < T - 2)  # a chain, and a generated label
+        counted = valid[None] & (draft_labels >= 0)
+        losses.append((ce[j] * counted).sum() / jnp.maximum(counted.sum(), 1))
+        hit = (jnp.argmax(logits[j], -1) == draft_labels) & valid[None]
+        correct.append(jnp.pad(hit[:, j:], ((0, 0), (0, j))))  # aligned to the chain's start row
+    weights = decay ** jnp.arange(steps)
+    correct = jnp.stack(correct, axis=-1)  # [B, T, steps]: chain from row p, step j right
+    starts = (rows >= prompt_len - 2) & (rows < T - 2 - steps)
+    accepted = jnp.cumprod(correct, axis=-1).sum(-1)
+    metrics = {f"acc_{j}": (correct[..., j] * starts).sum() / (B * starts.sum()) for j in range(steps)}
+    metrics["accept_len"] = 1.0 + (accepted * starts).sum() / (B * starts.sum())
+    loss = (jnp.stack(losses) * weights).sum() / weights.sum()
+    return loss, {"loss": loss, **metrics}
+
+
+def train_eagle3(corpus: Corpus, tcfg, data: Continuations, args, dtype, key):
+    ids = draft_vocabulary(data.seqs, data.prompt_len, args.eagle3_vocab, tcfg.vocab_size)
+    cfg = eagle3_config(tcfg, len(ids), tiny=args.tiny)
+    t2d = np.full((tcfg.vocab_size,), -1, np.int32)
+    t2d[ids] = np.arange(len(ids))
+    draft = Graph(lambda dt: Eagle3Draft(cfg, dtype=dt), dtype, frozen=nnx.PathContains("d2t"))
+    params = draft.init(args.seed + 3, 1)
+    log(f"[eagle3] {count_params(draft.bind(params)) / 1e6:.2f}M parameters (embedding shared); draft vocabulary "
+        f"{len(ids)} ids cover {np.isin(data.seqs[:, data.prompt_len:], ids).mean():.3f} of generated tokens")
+    arrays = {"target": data.frozen, "seqs": jnp.asarray(data.seqs), "heldout": jnp.asarray(data.heldout),
+              "t2d": jnp.asarray(t2d)}
+    sched = Schedule(args.minutes_eagle3, args.batch_eagle3, args.lr_eagle3, args.warmup, args.max_steps,
+                     log_every=args.log_every, eval_every=args.eval_every)
+
+    def loss_fn(params, arrays, key):
+        rows = jax.random.randint(key, (sched.batch,), 0, arrays["seqs"].shape[0])
+        return eagle3_loss(draft.bind(params), data.target.merge(arrays["target"]), arrays["seqs"][rows],
+                           arrays["t2d"], data.prompt_len, args.ttt_steps, args.ttt_decay)
+
+    def eval_fn(params, arrays):
+        return eagle3_loss(draft.bind(params), data.target.merge(arrays["target"]), arrays["heldout"], arrays["t2d"],
+                           data.prompt_len, args.ttt_steps, args.ttt_decay)[1]
+
+    params, history = fit("eagle3", params, loss_fn, eval_fn, arrays, sched, key, "accept_len", higher_is_better=True)
+    return cfg, params, ids - np.arange(len(ids)), history
 
 
 # ----------------------------------------------------------------------------- draft model
@@ -315,11 +452,10 @@ def train_draft(corpus: Corpus, tcfg, tparams, args, dtype, key):
                      log_every=args.log_every, eval_every=args.eval_every)
 
     def loss_fn(params, data, key):
-        return draft_loss(draft.bind(params), nnx.merge(target.graphdef, data["target"]),
-                          data["windows"].sample(key, sched.batch, T))
+        return draft_loss(draft.bind(params), target.merge(data["target"]), data["windows"].sample(key, sched.batch, T))
 
     def eval_fn(params, data):
-        return draft_loss(draft.bind(params), nnx.merge(target.graphdef, data["target"]), data["heldout"])[1]
+        return draft_loss(draft.bind(params), target.merge(data["target"]), data["heldout"])[1]
 
     params, history = fit("draft", params, loss_fn, eval_fn, data, sched, key, "loss")
     return cfg, params, history
@@ -338,39 +474,49 @@ def load_target(model_dir: str):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m spec_jax.training.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="export directory (target, dflash/, draft/)")
+    ap.add_argument("--out", required=True, help="export directory (target, dflash/, eagle3/, draft/)")
     ap.add_argument("--corpus", required=True, help="tokenized corpus .npz (built here when missing)")
     ap.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary when the corpus is built")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json for a corpus built here (else a BPE is trained)")
     ap.add_argument("--tiny", action="store_true", help="tiny geometries and corpus (CPU smoke runs)")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     ap.add_argument("--target-from", default=None, help="skip target training: use this exported target")
-    ap.add_argument("--minutes-target", type=float, default=4.0)
-    ap.add_argument("--minutes-dflash", type=float, default=1.5)
-    ap.add_argument("--minutes-draft", type=float, default=1.5)
+    ap.add_argument("--minutes-target", type=float, default=4.5)
+    ap.add_argument("--minutes-dflash", type=float, default=1.3)
+    ap.add_argument("--minutes-eagle3", type=float, default=0.6)
+    ap.add_argument("--minutes-draft", type=float, default=0.35)
+    ap.add_argument("--deadline-minutes", type=float, default=None,
+                    help="the whole run's wall-clock limit: a stage's budget shrinks to leave the later stages theirs")
     ap.add_argument("--max-steps", type=int, default=None, help="cap every stage's steps (tests)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="compute dtype (masters are float32); auto: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=64, help="sequences per step (target and draft)")
     ap.add_argument("--batch-dflash", type=int, default=32, help="generated sequences per DFlash step")
+    ap.add_argument("--batch-eagle3", type=int, default=32, help="generated sequences per EAGLE-3 step")
     ap.add_argument("--anchors", type=int, default=16, help="DFlash blocks per sequence per step")
-    ap.add_argument("--prompt-len", type=int, default=64, help="corpus prompt the target continues for DFlash")
-    ap.add_argument("--dflash-sequences", type=int, default=4096, help="greedy continuations to train DFlash on")
-    ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--prompt-len", type=int, default=64, help="corpus prompt the target continues for the drafters")
+    ap.add_argument("--sequences", type=int, default=12288, help="greedy continuations the drafters train on")
+    ap.add_argument("--gen-batch", type=int, default=4096)
     ap.add_argument("--lr-target", type=float, default=2e-3)
     ap.add_argument("--lr-dflash", type=float, default=1e-3)
+    ap.add_argument("--lr-eagle3", type=float, default=1e-3)
     ap.add_argument("--lr-draft", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--gamma", type=float, default=4.0, help="DFlash loss decay over block positions")
-    ap.add_argument("--prose-fraction", type=float, default=0.15, help="share of windows drawn from prose")
+    ap.add_argument("--ttt-steps", type=int, default=3, help="EAGLE-3 chained drafts trained (training-time test)")
+    ap.add_argument("--ttt-decay", type=float, default=0.8, help="EAGLE-3 loss weight decay per chained step")
+    ap.add_argument("--eagle3-vocab", type=int, default=2048, help="EAGLE-3 draft vocabulary (most emitted ids)")
+    ap.add_argument("--prose-fraction", type=float, default=0.25, help="share of windows drawn from prose")
     ap.add_argument("--eval-windows", type=int, default=32, help="held-out windows per kind")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     if ap.parse_known_args(argv)[0].tiny:  # tiny defaults; flags given still win
-        ap.set_defaults(vocab=512, seq_len=64, prompt_len=16, batch=4, batch_dflash=4, anchors=4, dflash_sequences=16,
-                        gen_batch=16, eval_windows=4, warmup=5, log_every=10, eval_every=10)
+        ap.set_defaults(vocab=512, seq_len=64, prompt_len=16, batch=4, batch_dflash=4, batch_eagle3=4, anchors=4,
+                        sequences=16, gen_batch=16, eagle3_vocab=128, eval_windows=4, warmup=5, log_every=10,
+                        eval_every=10)
     args = ap.parse_args(argv)
     bad = set(args.stages.split(",")) - set(STAGES)
     if bad:
@@ -381,46 +527,71 @@ def parse_args(argv=None):
     return args
 
 
+def fit_deadline(args, stages: list[str], started: float) -> None:
+    """With --deadline-minutes, shrink the next stage's `minutes_<stage>` so that it and every
+    stage after it (budget plus STAGE_OVERHEAD_S each) still end before the deadline."""
+    if args.deadline_minutes is None or not stages:
+        return
+    left_s = 60 * args.deadline_minutes - (time.perf_counter() - started)
+    later_s = sum(60 * getattr(args, f"minutes_{s}") + STAGE_OVERHEAD_S for s in stages[1:])
+    name = f"minutes_{stages[0]}"
+    fits = max(0.1, (left_s - later_s - STAGE_OVERHEAD_S) / 60)
+    if fits < getattr(args, name):
+        log(f"[deadline] {stages[0]}: {getattr(args, name):.2f} -> {fits:.2f} minutes")
+        setattr(args, name, fits)
+
+
 def main(argv=None) -> None:
+    started = time.perf_counter()
     args = parse_args(argv)
-    stages = args.stages.split(",")
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}.get(
-        args.dtype, jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
-    log(f"devices: {jax.devices()}; compute dtype {jnp.dtype(dtype).name}")
+    stages = [s for s in STAGES if s in args.stages.split(",")]
     out = Path(args.out)
     corpus_path = Path(args.corpus)
     if corpus_path.exists():
         corpus = load_corpus(corpus_path)
-    else:
+    else:  # before JAX starts its threads: the corpus is read by forked workers
         log(f"building the corpus into {corpus_path} ...")
-        corpus = build_corpus(corpus_path, args.vocab, 200_000 if args.tiny else None)
+        tok_json = Path(args.tokenizer).read_text() if args.tokenizer else None
+        corpus = build_corpus(corpus_path, args.vocab, 200_000 if args.tiny else None, tok_json)
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}.get(
+        args.dtype, jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+    log(f"devices: {jax.devices()}; compute dtype {jnp.dtype(dtype).name}")
     log("corpus: " + ", ".join(f"{k} {s} {len(a):,}" for (k, s), a in corpus.streams.items()) + " tokens")
     key = jax.random.key(args.seed)
     report = {"args": vars(args), "device": jax.devices()[0].device_kind}
-    if args.target_from:
-        tcfg, tparams = load_target(args.target_from)
-    elif "target" in stages:
-        tcfg, tparams, report["target"] = train_target(corpus, args, dtype, jax.random.fold_in(key, 0))
-        export.export_target(out, tcfg, tparams, corpus.tokenizer_json)
-        log(f"exported the target to {out}")
-    else:
-        tcfg, tparams = load_target(str(out))
-    if "dflash" in stages:
-        cfg, params, report["dflash"] = train_dflash(corpus, tcfg, tparams, args, dtype, jax.random.fold_in(key, 1))
-        export.export_dflash(out / "dflash", cfg, params)
-        log(f"exported the DFlash drafter to {out / 'dflash'}")
-    if "draft" in stages:
-        cfg, params, report["draft"] = train_draft(corpus, tcfg, tparams, args, dtype, jax.random.fold_in(key, 2))
-        export.export_draft(out / "draft", cfg, params)
-        log(f"exported the draft model to {out / 'draft'}")
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "training_log.json"  # a later run of some stages updates the earlier run's log
     earlier = json.loads(log_path.read_text()) if log_path.exists() else {}
-    log_path.write_text(json.dumps({**earlier, **report}, indent=1, default=str) + "\n")
+
+    def exported(stage: str, path: Path) -> None:  # the log is rewritten after every stage: a killed run keeps it
+        log_path.write_text(json.dumps({**earlier, **report}, indent=1, default=str) + "\n")
+        log(f"exported the {stage} to {path}")
+
+    if args.target_from:
+        tcfg, tparams = load_target(args.target_from)
+    elif "target" in stages:
+        fit_deadline(args, stages, started)
+        tcfg, tparams, report["target"] = train_target(corpus, args, dtype, jax.random.fold_in(key, 0))
+        exported("target", export.export_target(out, tcfg, tparams, corpus.tokenizer_json))
+    else:
+        tcfg, tparams = load_target(str(out))
+    drafters = [s for s in stages if s in ("dflash", "eagle3")]
+    data = continuations(corpus, tcfg, tparams, args, dtype, jax.random.fold_in(key, 4)) if drafters else None
+    if "dflash" in stages:
+        fit_deadline(args, stages[stages.index("dflash"):], started)
+        cfg, params, report["dflash"] = train_dflash(corpus, tcfg, data, args, dtype, jax.random.fold_in(key, 1))
+        exported("DFlash drafter", export.export_dflash(out / "dflash", cfg, params))
+    if "eagle3" in stages:
+        fit_deadline(args, stages[stages.index("eagle3"):], started)
+        cfg, params, d2t, report["eagle3"] = train_eagle3(corpus, tcfg, data, args, dtype, jax.random.fold_in(key, 3))
+        exported("EAGLE-3 head", export.export_eagle3(out / "eagle3", cfg, params, d2t))
+    if "draft" in stages:
+        fit_deadline(args, stages[stages.index("draft"):], started)
+        cfg, params, report["draft"] = train_draft(corpus, tcfg, tparams, args, dtype, jax.random.fold_in(key, 2))
+        exported("draft model", export.export_draft(out / "draft", cfg, params))
     sizes = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     log(f"export: {sum(sizes.values()) / 1e6:.1f} MB in {len(sizes)} files, largest "
-        f"{max(sizes.values()) / 1e6:.1f} MB")
-
+        f"{max(sizes.values()) / 1e6:.1f} MB; {time.perf_counter() - started:.0f}s in all")
 
 if __name__ == "__main__":
     main()
