@@ -3,7 +3,7 @@ spec-off decode speed (greedy, jitted, warm: each configuration runs once to com
 timed on a second run). Where greedy spec-on output leaves spec-off's, the target's logit gap between
 the two tokens at the first difference is reported: bf16 rounding can only flip a near-tie.
 
-    python bench/acceptance.py --model spec_jax/assets/default --corpus corpus.npz --out results/acceptance
+    python -m bench.acceptance --model spec_jax/assets/default --corpus corpus.npz --out results/acceptance
 
 Prompts are evenly spaced windows of the corpus's held-out streams (`--corpus`, the file training
 used), or, without it, of this machine's held-out standard-library documents tokenized with the
@@ -80,7 +80,8 @@ def divergence_gaps(llm: LLM, prompts, got, want) -> list[float]:
 
 
 def label(spec: dict | None) -> str:
-    return "off" if spec is None else f"{spec['method']} k={spec['num_speculative_tokens']}"
+    """The row's name: an --extra-spec may carry its own "label" (not passed to the engine)."""
+    return "off" if spec is None else spec.get("label", f"{spec['method']} k={spec['num_speculative_tokens']}")
 
 
 def markdown(rows: list[dict], device: str) -> str:
@@ -107,6 +108,7 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1, help="rows per decode batch")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--extra-spec", action="append", default=[], help="a further speculative config (JSON)")
     args = ap.parse_args(argv)
 
     model_dir = Path(args.model)
@@ -118,8 +120,10 @@ def main(argv=None) -> None:
     for kind in KINDS:
         prompts = prompts_for(kind, args, base)
         plain, reference = timed_run(base, prompts, params, args.batch)
-        for spec in [None, *speculative_configs(model_dir, base.model.mtp is not None)]:
-            r, tokens = (plain, reference) if spec is None else timed_run(base.with_speculation(spec), prompts,
+        specs = speculative_configs(model_dir, base.model.mtp is not None) + [json.loads(s) for s in args.extra_spec]
+        for spec in [None, *specs]:
+            engine_spec = None if spec is None else {k: v for k, v in spec.items() if k != "label"}
+            r, tokens = (plain, reference) if spec is None else timed_run(base.with_speculation(engine_spec), prompts,
                                                                           params, args.batch)
             r = {**r, "kind": kind, "method": label(spec), "spec": spec, "prompts": len(prompts),
                  "speedup": r["decode_tok_s"] / plain["decode_tok_s"],

@@ -302,6 +302,19 @@ def load_corpus(path: str | Path) -> Corpus:
     return Corpus(streams, tok_json)
 
 
+def training_prompts(corpus: Corpus, n: int, length: int, prose_fraction: float, seed: int = 0) -> np.ndarray:
+    """n random windows of `length` tokens of the training streams, a `prose_fraction` share from
+    prose: [n, length] uint16."""
+    rng = np.random.default_rng(seed)
+    n_prose = int(round(n * prose_fraction))
+    out = []
+    for kind, count in (("code", n - n_prose), ("prose", n_prose)):
+        stream = corpus.streams[kind, "train"]
+        starts = rng.integers(0, len(stream) - length, count)
+        out.append(np.stack([stream[s:s + length] for s in starts]) if count else np.zeros((0, length), np.uint16))
+    return np.concatenate(out)[rng.permutation(n)]
+
+
 def heldout_texts(kind: str, limit_chars: int | None = None) -> list[str]:
     """The held-out documents of one kind as text (evaluation prompts); limit_chars as in
     `split_documents`, a tenth of it for held-out."""
@@ -319,12 +332,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of training one")
     ap.add_argument("--heldout-out", default=None, help="also write the held-out streams alone here (.npz)")
     ap.add_argument("--limit-chars", type=int, default=None, help="cap each kind's training text (tests)")
+    ap.add_argument("--prompts-out", default=None,
+                    help="also write --prompts random training windows of --prompt-len tokens here (.npy), "
+                         "the prompts the drafters' greedy continuations start from (train.py --prompts)")
+    ap.add_argument("--prompts", type=int, default=24576)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--prose-fraction", type=float, default=0.25)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     tok_json = Path(args.tokenizer).read_text() if args.tokenizer else None
     corpus = build_corpus(args.out, args.vocab, args.limit_chars, tok_json)
     if args.heldout_out:
         save_corpus(corpus.heldout_only(), args.heldout_out, compressed=True)
+    if args.prompts_out:
+        np.save(args.prompts_out, training_prompts(corpus, args.prompts, args.prompt_len, args.prose_fraction))
     for (kind, split), a in corpus.streams.items():
         print(f"{kind:5s} {split:7s} {len(a):>12,d} tokens")
     print(f"built in {time.perf_counter() - t0:.0f}s")

@@ -41,7 +41,9 @@ from models.dflash import DFlashDraft
 from models.eagle3 import Eagle3Draft
 from models.layers import KVCache, attend_masked
 from models.qwen3 import Qwen3Model
+import models.qwen3_5
 from models.qwen3_5 import Qwen3_5Model, init_mtp_cache
+from pallas_kernels.gdn_chunked import gdn_chunked_reference
 from spec_jax.training import export
 from spec_jax.training.corpus import EOS, KINDS, MASK, Corpus, build_corpus, load_corpus
 from spec_jax.training.data import Windows, full_batch, greedy_continue, heldout_windows
@@ -49,6 +51,16 @@ from spec_jax.training.geometry import (count_params, dflash_config, draft_confi
                                         target_config)
 
 STAGES = ("target", "dflash", "eagle3", "draft")
+
+
+def differentiable_gdn(q, k, v, g, beta, state):
+    """The chunked gated delta rule in pure JAX: training differentiates the target's forward, and
+    the Pallas kernels `gdn_chunked` dispatches to on a GPU have no reverse-mode rule."""
+    o, final = gdn_chunked_reference(q, k, v, g, beta, state)
+    return o.astype(v.dtype), final
+
+
+models.qwen3_5.gdn_chunked = differentiable_gdn  # the model's whole-chunk rule, for every forward run here
 STAGE_OVERHEAD_S = 35  # a stage's compilation, evaluations and export, outside its training budget
 
 
@@ -249,8 +261,11 @@ def continuations(corpus: Corpus, tcfg, tparams, args, dtype, key) -> Continuati
     target = Graph(lambda dt: Qwen3_5Model(tcfg, dtype=dt), dtype)
     frozen = target.cast(tparams)
     P, T = args.prompt_len, args.seq_len
-    windows = Windows.from_corpus(corpus, args.prose_fraction)
-    prompts = np.asarray(jax.jit(Windows.sample, static_argnums=(2, 3))(windows, key, args.sequences, P))
+    if args.prompts:  # drawn from a corpus's training split elsewhere (`corpus --prompts-out`)
+        prompts = np.load(args.prompts)[:args.sequences, :P].astype(np.int32)
+    else:
+        windows = Windows.from_corpus(corpus, args.prose_fraction)
+        prompts = np.asarray(jax.jit(Windows.sample, static_argnums=(2, 3))(windows, key, args.sequences, P))
     heldout = np.concatenate([heldout_windows(corpus, k, args.eval_windows, P) for k in KINDS])
     t0 = time.perf_counter()
     seqs = target_continuations(target, frozen, prompts, T - P, args.gen_batch)
@@ -497,6 +512,8 @@ def parse_args(argv=None):
     ap.add_argument("--anchors", type=int, default=16, help="DFlash blocks per sequence per step")
     ap.add_argument("--prompt-len", type=int, default=64, help="corpus prompt the target continues for the drafters")
     ap.add_argument("--sequences", type=int, default=12288, help="greedy continuations the drafters train on")
+    ap.add_argument("--prompts", default=None,
+                    help="an .npy of [N, >= prompt-len] training prompts to continue, instead of the corpus's windows")
     ap.add_argument("--gen-batch", type=int, default=4096)
     ap.add_argument("--lr-target", type=float, default=2e-3)
     ap.add_argument("--lr-dflash", type=float, default=1e-3)
