@@ -1,8 +1,9 @@
 """The embedded default model.
 
 When the repo ships the trained checkpoint (`spec_jax/assets/default/`: a small Qwen3.5 target
-with its MTP head, `dflash/` a DFlash drafter and `draft/` a Qwen3 draft model, trained by
-`python -m spec_jax.training.train` on Python's standard library), that is the default. Without
+with its MTP head, `dflash/` a DFlash drafter, `eagle3/` an EAGLE-3 head and `draft/` a Qwen3
+draft model, trained by `python -m spec_jax.training.train` on the code and docs of a Python
+installation: its standard library and site-packages), that is the default. Without
 it, a small RANDOM-weight Qwen3.5 checkpoint in the released layout (VL-wrapped names, `mtp.*`
 head, bf16 safetensors, config.json and a byte-level BPE `tokenizer.json` trained on the
 standard library's source) is built on first use into `$SPEC_JAX_HOME/default-random-v1`

@@ -3,9 +3,9 @@ initial weights.
 
 Full size, bf16: target 13.4M parameters (26.9 MB, MTP head included), DFlash drafter 3.0M
 (6.0 MB; it shares the target's embedding and lm_head), EAGLE-3 head 2.3M (4.6 MB; the target's
-embedding, its own lm_head over 2048 draft ids), draft model 1.4M (2.9 MB): 40.4 MB with the
-tokenizer, inside the 40 MiB (41.9 MB) the repo ships. Training time, not bytes, bounds the
-target: at about 80M tokens in the minutes the H200 gives it, a larger model would learn less.
+embedding, its own lm_head over 2048 draft ids), draft model 1.4M (2.9 MB): 40.7 MB (38.8 MiB)
+with the tokenizer, inside the 40 MiB the repo ships. Training time, not bytes, bounds the
+target: at about 75M tokens in the minutes the H200 gives it, a larger model would learn less.
 """
 
 from __future__ import annotations
