@@ -20,6 +20,7 @@ def configure_logging() -> None:
 
 configure_logging()
 
-from spec_jax.api.llm import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams  # noqa: E402
+from spec_jax.api.llm import LLM  # noqa: E402
+from spec_jax.api.params import CompletionOutput, Logprob, RequestOutput, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from proposers.oracle import OracleProposer, OracleTokens, SyntheticAcceptance
-from spec_jax.engine.sampling import RowSampling
+from spec_jax.engine.sampling import RowSampling, no_bad_words
 from spec_jax.engine.steps import Engine
 
 
@@ -50,11 +50,14 @@ class AssembledBatch:
 
 def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequence[int], *, rows: int,
                    prompt_len: int, max_model_len: int, eos: Sequence[int], stop_width: int | None = None,
-                   vocab_size: int | None = None, banned: Sequence[Sequence[int]] | None = None) -> AssembledBatch:
+                   vocab_size: int | None = None, bad_words: Sequence[Sequence[Sequence[int]]] | None = None,
+                   processors: frozenset[str] = frozenset()) -> AssembledBatch:
     """n = len(ids) checked prompts with their `SamplingParams` and seeds into `rows` >= n
     bucket rows of `prompt_len` >= the longest prompt. stop_width fixes the stop_ids columns
-    (default: the most stop ids any row has). vocab_size and banned (each row's bad-word token
-    ids) are needed only when a row sets logit_bias, allowed_token_ids or bad_words."""
+    (default: the most stop ids any row has). vocab_size and bad_words (each row's bad words as
+    token sequences, `LLM.bad_word_forms`) are needed only when a row sets logit_bias,
+    allowed_token_ids or bad_words.
+    processors: `PROCESSORS` the batch carries even if no row uses them (a scheduler's live batch)."""
     n, B = len(ids), rows
     tokens = np.zeros((B, prompt_len), np.int32)
     lengths = np.ones((B,), np.int32)
@@ -75,7 +78,7 @@ def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequen
     keys = keys.at[:n].set(jnp.stack([seed_key(s) for s in seeds]))
     sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(pad((max(p.top_k, 0) for p in params), 0, np.int32)),
                            jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys,
-                           **logit_processors(params, lengths, stop_ids, B, vocab_size, banned))
+                           **logit_processors(params, lengths, stop_ids, B, vocab_size, bad_words, processors))
     return AssembledBatch(tokens, lengths, max_lengths, stop_ids, sampling, np.arange(B) >= n, speculate, stops,
                           bool((temperature > 0).any()))
 
@@ -94,33 +97,61 @@ def reference_shape(engine: Engine, rows: int):
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]
 
 
+PROCESSORS = ("min_p", "bias", "min_tokens", "penalties", "bad_words")  # `RowSampling`'s optional fields
+
+
+def processors_needed(p, bad_words: Sequence[Sequence[int]] = ()) -> frozenset[str]:
+    """Which of `PROCESSORS` a request's `SamplingParams` use, given its bad words as token
+    sequences (a one-token word is a bias of -inf; a longer one needs the bad_words processor)."""
+    used = {"min_p": p.min_p > 0,
+            "bias": bool(p.logit_bias or p.allowed_token_ids or any(len(w) == 1 for w in bad_words)),
+            "min_tokens": p.min_tokens > 0,
+            "penalties": bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1),
+            "bad_words": any(len(w) > 1 for w in bad_words)}
+    return frozenset(name for name, on in used.items() if on)
+
+
+def bad_word_rows(bad_words: Sequence[Sequence[Sequence[int]]], rows: int) -> tuple[jax.Array, jax.Array]:
+    """`RowSampling.bad_words` from each row's multi-token bad words (one-token ones are biases)."""
+    prefixes, last = (np.array(x) for x in no_bad_words(rows))
+    for i, words in enumerate(bad_words):
+        for j, word in enumerate(w for w in words if len(w) > 1):
+            prefixes[i, j, prefixes.shape[-1] - len(word) + 1:] = word[:-1]
+            last[i, j] = word[-1]
+    return jnp.asarray(prefixes), jnp.asarray(last)
+
+
 def logit_processors(params: Sequence, lengths: np.ndarray, stop_ids: np.ndarray, rows: int, vocab_size: int | None,
-                     banned: Sequence[Sequence[int]] | None) -> dict:
-    """`RowSampling`'s optional fields, for the rows that use them (None when none does, so the
-    step compiles without them): min_p [B]; bias [B, V] (logit_bias clamped to +-100, -inf off
-    allowed_token_ids and on banned ids); min_tokens (end [B] = prompt length + min_tokens, stop_ids);
-    penalties (presence, frequency, repetition, each [B])."""
+                     bad_words: Sequence[Sequence[Sequence[int]]] | None, keep: frozenset[str] = frozenset()) -> dict:
+    """`RowSampling`'s optional fields for the processors some row uses or `keep` names (absent
+    otherwise, so the step compiles without them; rows that do not use one get its neutral value):
+    min_p [B]; bias [B, V] (logit_bias clamped to +-100, -inf off allowed_token_ids and on one-token
+    bad words); min_tokens (end [B] = prompt length + min_tokens, stop_ids); penalties (presence,
+    frequency, repetition, each [B]); bad_words (`bad_word_rows`)."""
     n = len(params)
+    bad_words = bad_words or [[] for _ in params]
+    used = keep.union(*map(processors_needed, params, bad_words))
+    column = lambda name, neutral: jnp.asarray([getattr(p, name) for p in params] + [neutral] * (rows - n),  # noqa: E731
+                                               jnp.float32)
     out = {}
-    if any(p.min_p > 0 for p in params):
-        out["min_p"] = jnp.asarray([p.min_p for p in params] + [0.0] * (rows - n), jnp.float32)
-    banned = banned or [[] for _ in params]
-    if any(p.logit_bias or p.allowed_token_ids or b for p, b in zip(params, banned)):
+    if "min_p" in used:
+        out["min_p"] = column("min_p", 0.0)
+    if "bias" in used:
         bias = np.zeros((rows, vocab_size), np.float32)
-        for i, (p, b) in enumerate(zip(params, banned)):
+        for i, (p, words) in enumerate(zip(params, bad_words)):
             if p.allowed_token_ids:
                 bias[i] = -np.inf
                 bias[i, list(p.allowed_token_ids)] = 0.0
             for token, value in (p.logit_bias or {}).items():
                 bias[i, int(token)] += float(np.clip(value, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT))
-            bias[i, list(b)] = -np.inf
+            bias[i, [w[0] for w in words if len(w) == 1]] = -np.inf
         out["bias"] = jnp.asarray(bias)
-    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params):
-        column = lambda name, neutral: jnp.asarray([getattr(p, name) for p in params] + [neutral] * (rows - n),  # noqa: E731
-                                                   jnp.float32)
+    if "bad_words" in used:
+        out["bad_words"] = bad_word_rows(bad_words, rows)
+    if "penalties" in used:
         out["penalties"] = (column("presence_penalty", 0.0), column("frequency_penalty", 0.0),
                             column("repetition_penalty", 1.0))
-    if any(p.min_tokens > 0 for p in params):
+    if "min_tokens" in used:
         end = np.zeros((rows,), np.int32)
         end[:n] = [lengths[i] + p.min_tokens for i, p in enumerate(params)]
         out["min_tokens"] = (jnp.asarray(end), jnp.asarray(stop_ids))

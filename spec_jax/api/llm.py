@@ -28,9 +28,10 @@ from spec_jax.api.engine_args import check_quantization, checkpoint_methods
 from spec_jax.api.engine_args import resolve as resolve_engine_args
 from spec_jax.api.chat import ChatTemplate, ChatTokenizer, cut_at_stop_string
 from spec_jax.api.metrics import LifetimeCounters, aggregate_metrics, merge_metrics, request_metrics
-from spec_jax.api.params import (INT32_MAX, CompletionOutput, Logprob, RequestOutput, SamplingParams, check_int,
-                                 fan_out, generation_defaults)
+from spec_jax.api.params import (INT32_MAX, CompletionOutput, RequestOutput, SamplingParams, check_int,
+                                 fan_out, generation_defaults, logprob_entries)
 from spec_jax.default_model import default_model_dir
+from spec_jax.engine.sampling import MAX_BAD_WORD_LENGTH, MAX_BAD_WORDS
 from spec_jax.engine.spec_config import NEEDS_MODEL, parse_speculative_config
 from spec_jax.engine.steps import DecodeState, Engine, SpecPlan, enable_compilation_cache
 from spec_jax.loading import load_model
@@ -301,10 +302,8 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(requests):
             raise ValueError(f"got {len(params)} sampling_params for {len(requests)} prompts")
-        if self.tokenizer is None and any(p.stop for p in params):
-            raise ValueError(f"stop strings need a tokenizer, and {self.model_path} has none; use stop_token_ids")
         for p in params:
-            self._check_token_ids(p)
+            self.check_params(p)
         rows = [(r, child) for r, p in enumerate(params) for child in fan_out(p)]
         completions: list = []
         n = self.engine.max_num_seqs
@@ -318,12 +317,13 @@ class LLM:
         for (owner, _), completion in zip(rows, completions):
             by_request[owner].append(completion)
         outputs = []
-        for (text, ids), mine in zip(requests, by_request):
+        for (text, ids), mine, p in zip(requests, by_request, params):
             for i, (out, _) in enumerate(mine):
                 out.index = i
             self._requests += 1
             metrics = mine[0][1] if len(mine) == 1 else {**mine[0][1], **merge_metrics([m for _, m in mine])}
-            outputs.append(RequestOutput(str(self._requests - 1), text, ids, [c for c, _ in mine], metrics))
+            outputs.append(RequestOutput(str(self._requests - 1), text, ids, [c for c, _ in mine], metrics,
+                                         prompt_logprobs=self._prompt_logprobs(ids, p)))
         self.metrics = aggregate_metrics(outputs)
         self.metrics["tokens_per_s"] = self.metrics["num_generated_tokens"] / (time.perf_counter() - t0)
         self.lifetime.add(outputs)
@@ -403,47 +403,61 @@ class LLM:
         return p.seed if p.seed is not None else hash((self.seed, self._requests)) & 0x7FFFFFFF
 
     def start_batch(self, ids: Sequence[Sequence[int]], params: Sequence[SamplingParams], *,
-                    stop_width: int | None = None, do_sample: bool | None = None):
+                    stop_width: int | None = None, do_sample: bool | None = None,
+                    processors: frozenset[str] = frozenset(), num_logprobs: int | None = None):
         """Pad a batch of checked prompt ids to the engine's buckets and prefill it (one
         `SamplingParams` a row). Returns (DecodeState, do_sample, each row's stop ids). The
-        scheduler fixes stop_width (the stop_ids columns) and do_sample so that every row it
-        prefills fits its live batch."""
+        scheduler fixes stop_width (the stop_ids columns), do_sample, the logit processors carried
+        (`batching.PROCESSORS`, besides those a row uses) and num_logprobs kept per token (default:
+        the most any row asks for) so that every row it prefills fits its live batch."""
         seeds = [self._row_seed(p) for p in params]
         batch = assemble_batch(ids, params, seeds, rows=self.engine.batch_bucket(len(ids)),
                                prompt_len=self.engine.prompt_bucket(max(len(x) for x in ids)),
                                max_model_len=self.max_model_len, eos=self.cfg.eos_token_id, stop_width=stop_width,
-                               vocab_size=self.cfg.vocab_size, banned=[self._bad_word_ids(p) for p in params])
+                               vocab_size=self.cfg.vocab_size,
+                               bad_words=[self.bad_word_forms(p) for p in params],
+                               processors=processors)
         do_sample = batch.do_sample if do_sample is None else do_sample
         reference = proposer_reference(self.engine, batch, self._plain, do_sample)
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        state = self.engine.prefill(*batch.inputs(), jnp.asarray(batch.speculate), reference, do_sample,
-                                    max(asked) if asked else None)
+        if num_logprobs is None:
+            num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        state = self.engine.prefill(*batch.inputs(), jnp.asarray(batch.speculate), reference, do_sample, num_logprobs)
         return state, do_sample, batch.stops
 
-    def _bad_word_ids(self, p: SamplingParams) -> list[int]:
-        """The token ids a request's bad_words ban: each word with and without a leading space,
-        as vLLM encodes them; each form must be one token here."""
+    def bad_word_forms(self, p: SamplingParams) -> list[list[int]]:
+        """A request's bad_words as the token sequences vLLM bans: each word with leading spaces
+        stripped, and with one space before it when that starts with another token and is as many
+        tokens long. Raises ValueError when a form is longer than MAX_BAD_WORD_LENGTH tokens or a
+        request has more than MAX_BAD_WORDS forms of several tokens."""
         if not p.bad_words:
             return []
         if self.tokenizer is None:
             raise ValueError(f"bad_words need a tokenizer, and {self.model_path} has none; use logit_bias")
-        ids = []
+        forms = []
         for word in p.bad_words:
-            for form in (word.strip(), " " + word.strip()):
-                tokens = self.tokenizer.encode(form)
-                if len(tokens) != 1:
-                    raise ValueError(f"bad_words: {form!r} is {len(tokens)} tokens of this tokenizer; only words "
-                                     f"of one token (with and without a leading space) are supported")
-                ids += tokens
-        return ids
+            plain = self.tokenizer.encode(word.lstrip())
+            spaced = self.tokenizer.encode(" " + word.lstrip())
+            forms += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        if max(map(len, forms)) > MAX_BAD_WORD_LENGTH:
+            raise ValueError(f"bad_words: {max(forms, key=len)!r} is longer than {MAX_BAD_WORD_LENGTH} tokens, the "
+                             f"most a bad word may have")
+        if sum(len(f) > 1 for f in forms) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words: {sum(len(f) > 1 for f in forms)} word forms of several tokens; at most "
+                             f"{MAX_BAD_WORDS} are supported")
+        return forms
 
-    def _check_token_ids(self, p: SamplingParams) -> None:
-        """logit_bias keys and allowed_token_ids must be ids of this vocabulary."""
+    def check_params(self, p: SamplingParams) -> None:
+        """What SamplingParams cannot check alone, against this model: logit_bias keys and
+        allowed_token_ids are ids of its vocabulary; stop strings and bad_words need its tokenizer.
+        Raises ValueError naming the field."""
+        if p.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and {self.model_path} has none; use stop_token_ids")
         for name, ids in (("logit_bias", [int(t) for t in p.logit_bias or {}]),
                           ("allowed_token_ids", p.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        self.bad_word_forms(p)
 
     def _plain(self) -> Engine:
         """A plain-decoding engine on the same weights (the oracle's reference run), made once."""
@@ -476,18 +490,22 @@ class LLM:
     def _attach_logprobs(self, out: CompletionOutput, kept, row: int, start: int, p: SamplingParams) -> None:
         """vLLM's logprobs of a completion from the batch's `EmittedLogprobs` (on the host): per
         token, its own entry and the top `p.logprobs` ones; the cumulative logprob."""
-        entries = []
-        for j, token in enumerate(out.token_ids):
-            at = start + j
-            top = {int(t): Logprob(float(v), r + 1) for r, (t, v) in
-                   enumerate(zip(kept.top_ids[row, at, :p.logprobs], kept.top[row, at, :p.logprobs]))}
-            top.setdefault(token, Logprob(float(kept.token[row, at]), int(kept.rank[row, at])))
-            if self.tokenizer is not None and p.detokenize:
-                for t, entry in top.items():
-                    entry.decoded_token = self.tokenizer.decode([t], False)
-            entries.append(top)
-        out.logprobs = entries
-        out.cumulative_logprob = float(sum(kept.token[row, start:start + len(out.token_ids)]))
+        at = slice(start, start + len(out.token_ids))
+        out.logprobs = logprob_entries(out.token_ids, kept.token[row, at], kept.rank[row, at], kept.top_ids[row, at],
+                                       kept.top[row, at], p.logprobs, self._token_text if p.detokenize else None)
+        out.cumulative_logprob = float(sum(kept.token[row, at]))
+
+    def _prompt_logprobs(self, ids: list[int], p: SamplingParams) -> list | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then each token's entry and the
+        top `p.prompt_logprobs` (`logprob_entries`), from the target's raw logits."""
+        if p.prompt_logprobs is None:
+            return None
+        token, rank, top_ids, top = self.engine.prompt_logprobs(np.asarray(ids, np.int32), p.prompt_logprobs)
+        return [None] + logprob_entries(ids[1:], token, rank, top_ids, top, p.prompt_logprobs,
+                                        self._token_text if p.detokenize else None)
+
+    def _token_text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token], False)
 
     def _completion(self, gen: list[int], p: SamplingParams, stop_ids: list[int]) -> CompletionOutput:
         """A row's generated ids as vLLM reports them: cut at the first stop string, with the text,

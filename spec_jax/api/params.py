@@ -16,7 +16,7 @@ log = logging.getLogger("spec_jax")
 
 # vLLM SamplingParams fields not built yet: anything but their neutral value is refused by name rather
 # than silently ignored.
-NOT_YET = {"prompt_logprobs": None, "logits_processors": None, "truncate_prompt_tokens": None}
+NOT_YET = {"logits_processors": None, "truncate_prompt_tokens": None}
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
@@ -29,9 +29,10 @@ class SamplingParams:
     one batch (each its own random stream; greedy ones are alike). stop: strings that end a
     completion, found in the detokenized text (the text ends before one, or after it with
     include_stop_str_in_output). logit_bias ({token id: bias}), allowed_token_ids, bad_words
-    (each one token of the tokenizer, with or without a leading space) and min_tokens (stop ids
-    masked until that many tokens) and the presence / frequency / repetition penalties change what
-    greedy picks too; min_p filters after temperature.
+    (token sequences banned once the generated text ends with all but their last token) and
+    min_tokens (stop ids masked until that many tokens) and the presence / frequency / repetition
+    penalties change what greedy picks too; min_p filters after temperature. logprobs and
+    prompt_logprobs report the target's raw log-probabilities (the top n and the token's own).
     All hold with speculation on: drafts are verified against the processed distribution. The
     fields in `NOT_YET` are accepted at their neutral values.
     """
@@ -78,7 +79,8 @@ class SamplingParams:
                                  f"accepted (the supported fields: n, temperature, top_p, top_k, min_p, seed, stop, "
                                  f"stop_token_ids, bad_words, ignore_eos, max_tokens, min_tokens, logit_bias, "
                                  f"allowed_token_ids, presence_penalty, frequency_penalty, repetition_penalty, "
-                                 f"logprobs, include_stop_str_in_output, skip_special_tokens, detokenize)")
+                                 f"logprobs, prompt_logprobs, include_stop_str_in_output, skip_special_tokens, "
+                                 f"detokenize)")
         check_real("temperature", self.temperature, "must be >= 0 (0 means greedy)", lambda t: t >= 0)
         check_real("top_p", self.top_p, "must be in (0, 1]", lambda p: 0 < p <= 1)
         check_real("min_p", self.min_p, "must be in [0, 1]", lambda p: 0 <= p <= 1)
@@ -89,6 +91,9 @@ class SamplingParams:
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"must be 0 (the sampled token's only) to "
                                                                   f"{MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, f"must be 0 (each prompt token's "
+                                                                                f"only) to {MAX_LOGPROBS}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
         if self.logit_bias is not None:
@@ -194,6 +199,21 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+def logprob_entries(token_ids, token_logprob, rank, top_ids, top, num: int, decode=None) -> list[dict[int, Logprob]]:
+    """vLLM's per-token logprobs: for each of token_ids [n], the `num` most likely entries
+    (top_ids, top [n, >= num], ranked 1, 2, ...) and the token's own (token_logprob [n], rank [n])
+    when it is not among them. decode(id) -> str fills decoded_token when given."""
+    entries = []
+    for j, token in enumerate(token_ids):
+        entry = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(top_ids[j, :num], top[j, :num]))}
+        entry.setdefault(int(token), Logprob(float(token_logprob[j]), int(rank[j])))
+        if decode is not None:
+            for t, logprob in entry.items():
+                logprob.decoded_token = decode(t)
+        entries.append(entry)
+    return entries
 
 
 @dataclasses.dataclass

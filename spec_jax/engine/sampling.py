@@ -12,6 +12,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# Multi-token bad words: a row holds up to MAX_BAD_WORDS token sequences of up to MAX_BAD_WORD_LENGTH
+# tokens (fixed, so every row fits a continuous batch's live state).
+MAX_BAD_WORDS = 32
+MAX_BAD_WORD_LENGTH = 8
+ANY = -2  # a prefix entry before a shorter word's first token: matches whatever is there
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -23,7 +29,10 @@ class RowSampling:
     min_p [B] (0 = off); bias [B, V] float32 added to the raw logits (vLLM's logit_bias, with
     -inf for allowed_token_ids' complement and bad words); min_tokens: (end [B], stop_ids [B, S])
     - a stop id cannot be emitted at a position below end (prompt length + min_tokens);
-    penalties: (presence [B], frequency [B], repetition [B]), read with the rows' `TokenHistory`."""
+    penalties: (presence [B], frequency [B], repetition [B]), read with the rows' `TokenHistory`;
+    bad_words: (prefixes [B, W, P] int32, last [B, W] int32) - a multi-token bad word's last
+    token cannot follow generated tokens equal to its prefix (right-aligned, `ANY` before it;
+    last -1 for no word; W = MAX_BAD_WORDS, P = MAX_BAD_WORD_LENGTH - 1)."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -33,6 +42,26 @@ class RowSampling:
     bias: jax.Array | None = None
     min_tokens: tuple[jax.Array, jax.Array] | None = None
     penalties: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    bad_words: tuple[jax.Array, jax.Array] | None = None
+
+    def with_processors(self, names: frozenset[str], vocab_size: int, stop_ids: jax.Array) -> RowSampling:
+        """The same rows carrying exactly the optional fields `names`: a field kept stays as it is,
+        one added holds its neutral value in every row (min_p 0, bias 0, min_tokens ending at 0 with
+        stop_ids [B, S], penalties 0, 0 and 1, no bad words), so those rows' logits are unchanged bitwise."""
+        B = self.temperature.shape[0]
+        # Every field its own buffer (stop_ids copied): the live state is donated, and a buffer
+        # may not be donated twice.
+        zeros = lambda dtype=jnp.float32: jnp.zeros((B,), dtype)  # noqa: E731
+        neutral = {"min_p": zeros, "bias": lambda: jnp.zeros((B, vocab_size), jnp.float32),
+                   "min_tokens": lambda: (zeros(jnp.int32), jnp.array(stop_ids, copy=True)),
+                   "penalties": lambda: (zeros(), zeros(), jnp.ones((B,), jnp.float32)),
+                   "bad_words": lambda: no_bad_words(B)}
+        unknown = names - neutral.keys()
+        if unknown:
+            raise ValueError(f"unknown logit processors {sorted(unknown)}; known: {sorted(neutral)}")
+        fields = {name: (getattr(self, name) if getattr(self, name) is not None else make()) if name in names
+                  else None for name, make in neutral.items()}
+        return dataclasses.replace(self, **fields)
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +72,11 @@ class TokenHistory:
 
     counts: jax.Array
     in_prompt: jax.Array
+
+    @classmethod
+    def empty(cls, rows: int, vocab_size: int) -> TokenHistory:
+        """No tokens seen: for rows whose penalties are neutral, whose counts nothing reads."""
+        return cls(jnp.zeros((rows, vocab_size), jnp.int32), jnp.zeros((rows, vocab_size), bool))
 
     @classmethod
     def of_prompts(cls, prompts: jax.Array, prompt_lengths: jax.Array, vocab_size: int) -> TokenHistory:
@@ -65,6 +99,17 @@ class TokenHistory:
         return self.counts[:, None] + jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)
 
 
+def ranked_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+    """Each token's log-probability under logits [..., V] (float32 log-softmax) with its rank
+    (1 = the most likely), and the k most likely: (token [...], rank [...] int32, top_ids [..., k]
+    int32, top [..., k]) for tokens [...]."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
+    rank = jnp.sum(lp > token[..., None], axis=-1).astype(jnp.int32) + 1
+    top, top_ids = jax.lax.top_k(lp, k)
+    return token, rank, top_ids.astype(jnp.int32), top
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class EmittedLogprobs:
@@ -85,10 +130,7 @@ class EmittedLogprobs:
     def write(self, idx: jax.Array, logits: jax.Array, new: jax.Array) -> EmittedLogprobs:
         """The tokens new [B, m] written at buffer indices idx [B, m] (out of range: not written),
         each drawn from logits [B, m, V]."""
-        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        token = jnp.take_along_axis(lp, new[..., None], axis=-1)[..., 0]
-        rank = jnp.sum(lp > token[..., None], axis=-1).astype(jnp.int32) + 1
-        top, top_ids = jax.lax.top_k(lp, self.top.shape[-1])
+        token, rank, top_ids, top = ranked_logprobs(logits, new, self.top.shape[-1])
         rows = jnp.arange(new.shape[0])[:, None]
         put = lambda old, value: old.at[rows, idx].set(value.astype(old.dtype), mode="drop")  # noqa: E731
         return EmittedLogprobs(put(self.token, token), put(self.rank, rank), put(self.top_ids, top_ids),
@@ -106,19 +148,43 @@ def apply_penalties(logits: jax.Array, penalties: tuple, counts: jax.Array, in_p
     return logits - frequency * counts - presence * seen
 
 
+def no_bad_words(rows: int) -> tuple[jax.Array, jax.Array]:
+    """`RowSampling.bad_words` for rows without any."""
+    return (jnp.full((rows, MAX_BAD_WORDS, MAX_BAD_WORD_LENGTH - 1), ANY, jnp.int32),
+            jnp.full((rows, MAX_BAD_WORDS), -1, jnp.int32))
+
+
+def ban_bad_words(logits: jax.Array, bad_words: tuple[jax.Array, jax.Array], recent: jax.Array) -> jax.Array:
+    """-inf on each multi-token bad word's last token where the generated tokens before the
+    position end with the rest of the word (vLLM's rule: prompt tokens never match). logits
+    [B, T, V]; recent [B, T, P] the P tokens before each position, -1 where not generated."""
+    prefixes, last = bad_words
+    B, T, V = logits.shape
+    match = jnp.all((prefixes[:, None] == ANY) | (prefixes[:, None] == recent[:, :, None]), axis=-1)  # [B, T, W]
+    ids = jnp.where(match & (last[:, None] >= 0), last[:, None], V)  # V: nothing to ban, dropped
+    return logits.at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], ids].set(-jnp.inf, mode="drop")
+
+
 def process_logits(logits: jax.Array, params: RowSampling, positions: jax.Array,
-                   history: TokenHistory | None = None, counts: jax.Array | None = None) -> jax.Array:
+                   history: TokenHistory | None = None, counts: jax.Array | None = None,
+                   recent: jax.Array | None = None) -> jax.Array:
     """The logit processors that change what greedy picks too (vLLM applies them before
-    sampling or argmax): the bias, min_tokens' ban on stop ids, then the penalties. logits
-    [B, V] or [B, T, V] float32 for the tokens written at positions [B] or [B, T]; the same shape
-    back. history: the rows' tokens so far (with penalties); counts: in place of history.counts
-    for a verify pass ([B, T, V], `TokenHistory.through`). Speculation verifies against these
-    logits, so its output distribution is spec-off's."""
-    if params.bias is None and params.min_tokens is None and params.penalties is None:
+    sampling or argmax): the bias, multi-token bad words, min_tokens' ban on stop ids, then the
+    penalties. logits [B, V] or [B, T, V] float32 for the tokens written at positions [B] or
+    [B, T]; the same shape back. history: the rows' tokens so far (with penalties); counts: in
+    place of history.counts for a verify pass ([B, T, V], `TokenHistory.through`); recent: the
+    generated tokens before each position ([B, P] or [B, T, P], -1 for none; None when no token
+    is generated yet). Speculation verifies against these logits, so its output distribution is
+    spec-off's."""
+    if all(x is None for x in (params.bias, params.min_tokens, params.penalties, params.bad_words)):
         return logits
     per_row = lambda x: x if logits.ndim == 2 else x[:, None]  # noqa: E731
     if params.bias is not None:
         logits = logits + per_row(params.bias)
+    if params.bad_words is not None and recent is not None:
+        one = logits.ndim == 2  # a single position: as a pass of one
+        banned = ban_bad_words(logits[:, None] if one else logits, params.bad_words, recent[:, None] if one else recent)
+        logits = banned[:, 0] if one else banned
     if params.min_tokens is not None:
         end, stop_ids = params.min_tokens
         B, V = stop_ids.shape[0], logits.shape[-1]

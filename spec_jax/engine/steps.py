@@ -31,7 +31,7 @@ from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Config, Qwen3_5Model, init_
 from proposers import Proposer
 from proposers.oracle import SyntheticAcceptance
 from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic, draw,
-                                     process_logits, sample_tokens, warp_logits)
+                                     process_logits, ranked_logprobs, sample_tokens, warp_logits)
 
 log = logging.getLogger("spec_jax")
 
@@ -172,6 +172,22 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     return dataclasses.replace(state, proposer=pstate, stats=SpecStats.zeros(B, plan.k))
 
 
+def generated_before(state: DecodeState, drafts: jax.Array | None = None) -> jax.Array | None:
+    """What multi-token bad words match against (None when no row has any): the P tokens before
+    the next position, [B, P], or before each verify position after drafts [B, k], [B, k+1, P];
+    -1 in place of prompt tokens (only generated tokens count, as in vLLM)."""
+    if state.sampling.bad_words is None:
+        return None
+    P = state.sampling.bad_words[0].shape[-1]
+    idx = state.lengths[:, None] - P + jnp.arange(P)[None, :]
+    before = jnp.take_along_axis(state.tokens, jnp.maximum(idx, 0), axis=1)
+    before = jnp.where(idx >= state.prompt_lengths[:, None], before, -1)
+    if drafts is None:
+        return before
+    following = jnp.concatenate([before, drafts], axis=1)  # [B, P + k]
+    return jnp.stack([following[:, j:j + P] for j in range(drafts.shape[1] + 1)], axis=1)
+
+
 def decode_one(model: Qwen3_5Model, state: DecodeState, taps: tuple[int, ...], *,
                do_sample: bool) -> tuple[jax.Array, ForwardOut, jax.Array]:
     """Feed each live row's newest token; returns the next token [B], the pass's `ForwardOut` and
@@ -181,7 +197,7 @@ def decode_one(model: Qwen3_5Model, state: DecodeState, taps: tuple[int, ...], *
     batch = Batch(start=state.lengths - 1, n_valid=(~state.done).astype(jnp.int32))
     out = model(newest, batch, state.cache, kv_len=L, taps=taps)
     raw = model.logits(out.hidden[:, 0])
-    logits = process_logits(raw, state.sampling, state.lengths, state.history)
+    logits = process_logits(raw, state.sampling, state.lengths, state.history, recent=generated_before(state))
     return sample_tokens(logits, state.sampling, state.lengths, do_sample=do_sample), out, raw
 
 
@@ -218,7 +234,8 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
         positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
         counts = None if state.history is None else state.history.through(drafts)
         raw = model.logits(target.hidden)
-        logits = process_logits(raw, state.sampling, positions, state.history, counts)
+        logits = process_logits(raw, state.sampling, positions, state.history, counts,
+                                generated_before(state, drafts))
         if isinstance(plan.proposer, SyntheticAcceptance):
             n_acc, emitted = accept_synthetic(plan.proposer.rates_of(pstate), logits, drafts, n_draft,
                                               state.sampling, state.lengths, do_sample=do_sample)
@@ -290,6 +307,26 @@ def insert_row(state: DecodeState, row: jax.Array, new: DecodeState) -> DecodeSt
     return jax.tree.map(put, state, new)
 
 
+def with_processors(state: DecodeState, names: frozenset[str], num_logprobs: int | None,
+                    vocab_size: int) -> DecodeState:
+    """The B-row `state` carrying exactly the logit processors `names` (`RowSampling`'s optional
+    fields, with the `TokenHistory` penalties read) and `num_logprobs` top logprobs per written
+    token (None: no logprobs). What stays is kept; what is added starts neutral, so the rows
+    already running produce the same tokens. A continuous batch widens to what a new request needs
+    and narrows when no row needs it any more; the step compiles once per combination."""
+    B, L = state.tokens.shape
+    sampling = state.sampling.with_processors(names, vocab_size, state.stop_ids)
+    history = None
+    if "penalties" in names:
+        history = state.history if state.history is not None else TokenHistory.empty(B, vocab_size)
+    logprobs = None
+    if num_logprobs is not None:
+        kept = state.logprobs
+        logprobs = kept if kept is not None and kept.top.shape[-1] == num_logprobs else EmittedLogprobs.empty(
+            B, L, num_logprobs)
+    return dataclasses.replace(state, sampling=sampling, history=history, logprobs=logprobs)
+
+
 def forward_logits(model: Qwen3_5Model, draft, tokens, length, *, cache_len: int):
     """Full-sequence logits of one right-padded sequence: tokens [1, T], length [1] -> [1, T, V]."""
     cache = init_cache(model.cfg, 1, cache_len, model.dtype)
@@ -298,6 +335,24 @@ def forward_logits(model: Qwen3_5Model, draft, tokens, length, *, cache_len: int
 
 
 # ----------------------------------------------------------------------------- compilation
+
+
+def prompt_logprobs(model: Qwen3_5Model, draft, tokens, length, *, num: int):
+    """vLLM's prompt logprobs of one right-padded prompt: tokens [1, T], length [1] -> (token [T-1],
+    rank [T-1], top_ids [T-1, num], top [T-1, num]) for prompt tokens 1..T-1, from the raw logits
+    at the position before each (`ranked_logprobs`). Logits are made CHUNK positions at a time,
+    so a long prompt never holds [T, V] at once."""
+    T = tokens.shape[1]
+    cache = init_cache(model.cfg, 1, T, model.dtype)
+    hidden = model(tokens, Batch(start=jnp.zeros((1,), jnp.int32), n_valid=length), cache, kv_len=T).hidden[0]
+    following = jnp.concatenate([tokens[0, 1:], tokens[0, :1]])  # the token each position predicts; the last unused
+
+    def chunk(args):
+        h, nxt = args
+        return ranked_logprobs(model.logits(h), nxt, num)
+
+    blocks = (hidden.reshape(T // CHUNK, CHUNK, -1), following.reshape(T // CHUNK, CHUNK))
+    return jax.tree.map(lambda x: x.reshape((T,) + x.shape[2:])[:-1], jax.lax.map(chunk, blocks))
 
 
 def bucket(n: int, lo: int, hi: int) -> int:
@@ -357,7 +412,7 @@ class Engine:
     def _compiled(self, name, fn, *args, static=(), donate=()):
         """AOT-compile `fn(model, *args)` once per (name, shapes, static) and run it."""
         shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
-        key = (name, shapes, static)
+        key = (name, jax.tree.structure(args), shapes, static)
         if key not in self.executables:
             t0 = time.perf_counter()
             jitted = jax.jit(self._on_params(fn), donate_argnums=tuple(i + 1 for i in donate))
@@ -400,6 +455,19 @@ class Engine:
         (donated). One executable per engine: `new`'s shapes do not depend on the prompt bucket."""
         fn = lambda model, draft, *a: insert_row(*a)
         return self._compiled("insert", fn, state, jnp.asarray(row, jnp.int32), new, donate=(0,))
+
+    def prompt_logprobs(self, token_ids: np.ndarray, num: int) -> tuple[np.ndarray, ...]:
+        """`prompt_logprobs` of a prompt token_ids [T] on the host: arrays for tokens 1..T-1."""
+        T = len(token_ids)
+        tokens = np.zeros((1, self.prompt_bucket(T)), np.int32)
+        tokens[0, :T] = token_ids
+        out = self._compiled("prompt_logprobs", partial(prompt_logprobs, num=num), jnp.asarray(tokens),
+                             jnp.asarray([T], jnp.int32), static=(num,))
+        return tuple(np.asarray(x[:T - 1]) for x in out)
+
+    def with_processors(self, state: DecodeState, names: frozenset[str], num_logprobs: int | None) -> DecodeState:
+        """`with_processors` for this model's vocabulary."""
+        return with_processors(state, names, num_logprobs, self.cfg.vocab_size)
 
     def logits(self, token_ids: np.ndarray) -> np.ndarray:
         T = len(token_ids)
