@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.api.batching import processors_needed
 from spec_jax.api.llm import LLM, SamplingParams
 from spec_jax.api.metrics import request_metrics
+from spec_jax.api.params import MAX_LOGPROBS, Logprob, logprob_entries
 
 MAX_STOP_TOKEN_IDS = 16  # per request besides EOS: the live batch's stop_ids width is fixed
 log = logging.getLogger(__name__)
@@ -40,21 +42,22 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Update:
-    """What a request hears: its new token ids; at the end, why it finished ("stop", "length",
-    "abort" when cancelled, "error"), its metrics (`metrics.request_metrics` plus queue_s) and any
-    error text."""
+    """What a request hears: its new token ids (with their logprobs, as `LLM.generate` gives them,
+    when the request asked for logprobs); at the end, why it finished ("stop", "length", "abort"
+    when cancelled, "error"), its metrics (`metrics.request_metrics` plus queue_s) and any error text."""
 
     token_ids: list[int]
     finish_reason: str | None = None
     metrics: dict | None = None
     error: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 class Request:
     """One submitted prompt and its place in the scheduler. `sink` runs on the scheduler thread."""
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 sink: Callable[[Update], None]):
+                 sink: Callable[[Update], None], processors: frozenset[str] = frozenset()):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -64,21 +67,28 @@ class Request:
         self.num_generated = 0
         self.last_token = -1
         self.stops: set[int] = set()
+        self.processors = processors  # the logit processors it needs (`batching.processors_needed`)
         self.finished = False
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_prefilled = self.t_submit
 
 
 @partial(jax.jit, static_argnums=2)
-def recent_tokens(tokens: jax.Array, start: jax.Array, width: int) -> jax.Array:
-    """tokens [B, L], start [B] -> [B, width]: each row's tokens from `start` on (clamped at L - 1)."""
-    idx = jnp.minimum(start[:, None] + jnp.arange(width)[None, :], tokens.shape[1] - 1)
-    return jnp.take_along_axis(tokens, idx, axis=1)
+def recent(buffers, start: jax.Array, width: int):
+    """buffers: a pytree of [B, L, ...] arrays (tokens, `EmittedLogprobs`), start [B] -> the same
+    tree of [B, width, ...]: each row's entries from `start` on (clamped at L - 1)."""
+
+    def window(x):
+        idx = jnp.minimum(start[:, None] + jnp.arange(width)[None, :], x.shape[1] - 1)
+        return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+    return jax.tree.map(window, buffers)
 
 
 class Scheduler:
     """Continuous batching over `llm.engine.max_num_seqs` slots, with `steps_per_chunk` decode
-    steps per device call (more: less dispatch overhead, coarser streaming)."""
+    steps per device call (more: less dispatch overhead, coarser streaming). The live batch carries
+    the logit processors and logprobs its requests use, and no others (`Engine.with_processors`)."""
 
     def __init__(self, llm: LLM, *, steps_per_chunk: int = 4):
         if steps_per_chunk < 1:
@@ -94,6 +104,8 @@ class Scheduler:
         self.window = steps_per_chunk * (self.k + 1) + 1  # most tokens a row can gain per call
         self.stop_width = MAX_STOP_TOKEN_IDS + len(llm.cfg.eos_token_id)
         self.slots: list[Request | None] = [None] * self.engine.max_num_seqs
+        self.processors: frozenset[str] = frozenset()  # what the live batch carries
+        self.keeps_logprobs = False
         self.waiting: collections.deque[Request] = collections.deque()
         self.inbox: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
@@ -117,12 +129,14 @@ class Scheduler:
         self.thread.join()
 
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[Update], None]) -> Request:
-        """Queue a prompt; `sink` gets its updates. Bad prompts or stop lists raise ValueError here."""
+        """Queue a prompt; `sink` gets its updates. Bad prompts, stop lists or token ids raise
+        ValueError here."""
         ids = self.llm.tokenize(prompt_token_ids)
+        self.llm.check_params(params)
         if len(params.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids given; at most {MAX_STOP_TOKEN_IDS} "
                              f"are supported")
-        req = Request(next(self.ids), ids, params, sink)
+        req = Request(next(self.ids), ids, params, sink, processors_needed(params, self.llm.bad_word_forms(params)))
         with self.lock:
             self.queued += 1
         self.inbox.put(("add", req))
@@ -182,6 +196,7 @@ class Scheduler:
 
     def _empty_state(self):
         """A live batch whose rows are all done: a prefill of one-token dummies that stop at once."""
+        self.processors, self.keeps_logprobs = frozenset(), False
         dummy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         B = len(self.slots)
         state, _, _ = self.llm.start_batch([[0]] * B, [dummy] * B, stop_width=self.stop_width,
@@ -222,28 +237,48 @@ class Scheduler:
             req = self.waiting.popleft()
             req.t_admit = time.perf_counter()
             try:
+                self._fit_layout(joining=req)
                 row, _, stops = self.llm.start_batch([req.prompt_token_ids], [req.params], stop_width=self.stop_width,
-                                                      do_sample=self.always_sample or None)
+                                                      do_sample=self.always_sample or None,
+                                                      processors=self.processors, num_logprobs=self._num_logprobs())
             except Exception as e:  # e.g. a prompt bucket that fails to compile: this request only
                 log.exception("prefill failed")
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
                 continue
-            self.state = self.engine.insert(self.state, slot, row)
+            try:
+                self.state = self.engine.insert(self.state, slot, row)
+            except Exception as e:  # the donated live batch may be gone too: `_loop` ends the running requests
+                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+                raise
             req.slot, req.stops, req.t_prefilled = slot, set(stops[0]), time.perf_counter()
             with self.lock:
                 self.slots[slot] = req
                 self.queued -= 1
                 self.counters["prompt_tokens"] += len(req.prompt_token_ids)
 
+    def _num_logprobs(self) -> int | None:
+        return MAX_LOGPROBS if self.keeps_logprobs else None
+
+    def _fit_layout(self, joining: Request | None = None) -> None:
+        """Give the live batch the logit processors and logprobs its requests (and `joining`,
+        about to be inserted) use: widened for a newcomer, narrowed when the last user leaves."""
+        requests = [r for r in self.slots if r is not None] + ([joining] if joining is not None else [])
+        processors = frozenset().union(*(r.processors for r in requests))
+        logprobs = any(r.params.logprobs is not None for r in requests)
+        if (processors, logprobs) != (self.processors, self.keeps_logprobs):
+            self.processors, self.keeps_logprobs = processors, logprobs
+            self.state = self.engine.with_processors(self.state, processors, self._num_logprobs())
+
     def _run_chunk(self) -> None:
         """Run steps_per_chunk steps over the live batch, then hand out new tokens and finish
         the rows that are done."""
+        self._fit_layout()
         do_sample = self.always_sample or any(r is not None and r.params.temperature > 0 for r in self.slots)
         self.state = self.engine.decode(self.state, self.steps_per_chunk, do_sample)
         sent = np.asarray([r.sent if r is not None else 0 for r in self.slots], np.int32)
-        window = recent_tokens(self.state.tokens, jnp.asarray(sent), self.window)
-        lengths, done, window, self.last_stats = jax.device_get(
-            (self.state.lengths, self.state.done, window, self.state.stats))
+        window, kept = recent((self.state.tokens, self.state.logprobs), jnp.asarray(sent), self.window)
+        lengths, done, window, kept, self.last_stats = jax.device_get(
+            (self.state.lengths, self.state.done, window, kept, self.state.stats))
         for slot, req in enumerate(self.slots):
             if req is None:
                 continue
@@ -251,17 +286,22 @@ class Scheduler:
             if n_new > self.window:
                 raise RuntimeError(f"slot {slot} gained {n_new} tokens in one call; at most {self.window} expected")
             new = window[slot, :n_new].tolist()
+            logprobs = None
+            if req.params.logprobs is not None:
+                logprobs = logprob_entries(new, kept.token[slot], kept.rank[slot], kept.top_ids[slot], kept.top[slot],
+                                           req.params.logprobs)
             req.sent += n_new
             req.num_generated += n_new
             req.last_token = new[-1] if new else req.last_token
             with self.lock:
                 self.counters["generation_tokens"] += n_new
             if done[slot]:
-                self._finish(req, "stop" if req.last_token in req.stops else "length", new)
+                self._finish(req, "stop" if req.last_token in req.stops else "length", new, logprobs=logprobs)
             elif new:
-                self._emit(req, Update(new))
+                self._emit(req, Update(new, logprobs=logprobs))
 
-    def _finish(self, req: Request, reason: str, new: list[int] | None = None, error: str | None = None) -> None:
+    def _finish(self, req: Request, reason: str, new: list[int] | None = None, error: str | None = None,
+                logprobs: list | None = None) -> None:
         """Free the request's slot, count it, and send its last update."""
         req.finished = True
         # The last chunk's counters are this request's once it has seen a chunk since its insert.
@@ -281,7 +321,7 @@ class Scheduler:
                 self.counters["num_accepted_tokens"] += int(stats.accepted[req.slot])
                 self.accepted_per_position = [a + int(b) for a, b in zip(self.accepted_per_position,
                                                                           stats.per_position[req.slot])]
-        self._emit(req, Update(new or [], reason, metrics, error))
+        self._emit(req, Update(new or [], reason, metrics, error, logprobs))
 
     def _emit(self, req: Request, update: Update) -> None:
         try:

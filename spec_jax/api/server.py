@@ -6,8 +6,9 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (both stream with server-sent events ending in
 `data: [DONE]`), /v1/models, /health, /metrics (Prometheus text). Extensions beyond OpenAI's
-fields, spelled like vLLM's: top_k, stop_token_ids, ignore_eos, skip_special_tokens,
-return_token_ids, chat_template_kwargs, and the per-request `speculative` opt-out.
+fields, spelled like vLLM's: top_k, min_p, repetition_penalty, min_tokens, bad_words, stop_token_ids,
+ignore_eos, skip_special_tokens, return_token_ids, chat_template_kwargs, and the per-request
+`speculative` opt-out. Penalties, logit_bias and logprobs hold with speculation on, as offline.
 
 Chat prompts are rendered from the checkpoint's own template (`chat.ChatTemplate`: tokenizer_config.json's
 `chat_template`, or chat_template.jinja beside it, or `--chat-template FILE`). A checkpoint without one
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 import time
@@ -32,8 +34,8 @@ from starlette.exceptions import HTTPException
 
 from spec_jax.api.chat import ChatTemplate, RequestError, TextDelta
 from spec_jax.api.llm import LLM
-from spec_jax.api.params import SamplingParams, fan_out
-from spec_jax.api.scheduler import MAX_STOP_TOKEN_IDS, Scheduler
+from spec_jax.api.params import MAX_LOGPROBS, Logprob, SamplingParams, fan_out
+from spec_jax.api.scheduler import MAX_STOP_TOKEN_IDS, Scheduler, Update
 
 
 class APIError(Exception):
@@ -72,7 +74,11 @@ class SamplingFields(BaseModel):
     speculative: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
     user: str | None = None
 
 
@@ -90,6 +96,7 @@ class ChatBody(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
     tools: list | None = None
     response_format: dict | None = None
     chat_template_kwargs: dict | None = None
@@ -97,11 +104,7 @@ class ChatBody(SamplingFields):
 
 def refuse_unsupported(body: SamplingFields) -> None:
     """Fields this server cannot honour, when set to anything but their neutral value."""
-    unsupported = {"presence_penalty": body.presence_penalty not in (0, None),
-                   "frequency_penalty": body.frequency_penalty not in (0, None),
-                   "logit_bias": bool(body.logit_bias),
-                   "logprobs": bool(getattr(body, "logprobs", None)),
-                   "echo": bool(getattr(body, "echo", False)),
+    unsupported = {"echo": bool(getattr(body, "echo", False)),
                    "best_of": getattr(body, "best_of", None) not in (None, 1),
                    "suffix": getattr(body, "suffix", None) is not None,
                    "tools": bool(getattr(body, "tools", None)),
@@ -111,15 +114,34 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise APIError(400, f"{name} is not supported by this server; leave it unset", param=name)
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None) -> SamplingParams:
+def requested_logprobs(body: SamplingFields) -> int | None:
+    """SamplingParams.logprobs: completions' `logprobs` count, or chat's `top_logprobs` when its
+    `logprobs` is true (0 then: the chosen token's only)."""
+    if not isinstance(body, ChatBody):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs={body.top_logprobs} must be 0 to {MAX_LOGPROBS}", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def sampling_params(server: Server, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
+    """The request's SamplingParams, checked against the served model; a bad field is a 400 naming it."""
     if len(body.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
         raise APIError(400, f"{len(body.stop_token_ids)} stop_token_ids given; at most {MAX_STOP_TOKEN_IDS} are "
                             f"supported", param="stop_token_ids")
+    logprobs = requested_logprobs(body)
     try:
-        return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              seed=body.seed, max_tokens=max_tokens, stop_token_ids=body.stop_token_ids,
-                              ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
-                              speculative=body.speculative)
+        params = SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                min_p=body.min_p, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens,
+                                stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias,
+                                bad_words=body.bad_words, logprobs=logprobs,
+                                skip_special_tokens=body.skip_special_tokens, speculative=body.speculative)
+        server.llm.check_params(params)
+        return params
     except ValueError as e:
         name = re.match(r"\w+", str(e))
         raise APIError(400, str(e), param=name.group(0) if name else None) from None
@@ -176,10 +198,10 @@ class Server:
                            code="context_length_exceeded")
 
     async def choices(self, prompts: list[list[int]], params: list[SamplingParams],
-                      stops: list[str]) -> AsyncIterator[tuple[int, str, list[int], str | None, str | None]]:
+                      stops: list[str]) -> AsyncIterator[tuple[int, str, Update]]:
         """Run the prompts (one `SamplingParams` each) through the scheduler; yield (index, text
-        delta, new ids, finish reason or None, error or None) as tokens arrive. Leaving early
-        cancels what runs."""
+        delta, the scheduler's `Update` with finish_reason "stop" at a stop string) as tokens
+        arrive. Leaving early cancels what runs."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -194,14 +216,13 @@ class Server:
                 i, update = await updates.get()
                 if i not in running:
                     continue
-                reason = update.finish_reason
-                delta = texts[i].add(update.token_ids, final=reason is not None)
+                delta = texts[i].add(update.token_ids, final=update.finish_reason is not None)
                 if texts[i].stopped:  # a stop string: the rest of this choice is not wanted
                     self.scheduler.cancel(requests[i])
-                    reason = "stop"
-                if reason is not None:
+                    update = dataclasses.replace(update, finish_reason="stop")
+                if update.finish_reason is not None:
                     running.discard(i)
-                yield i, delta, update.token_ids, reason, update.error
+                yield i, delta, update
         finally:
             for req in requests:
                 self.scheduler.cancel(req)
@@ -243,6 +264,37 @@ async def unless_client_leaves(work, client_gone) -> bool:
     return True
 
 
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this floor instead
+
+
+class LogprobsFormat:
+    """A choice's logprobs in OpenAI's shapes: chat's {"content": [{token, logprob, bytes,
+    top_logprobs}]}, or completions' {tokens, token_logprobs, top_logprobs, text_offset}."""
+
+    def __init__(self, server: Server, chat: bool, num: int):
+        self.tokenizer, self.chat, self.num = server.llm.tokenizer, chat, num
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token], False) if self.tokenizer is not None else f"token_id:{token}"
+
+    def __call__(self, token_ids: list[int], entries: list[dict[int, Logprob]], offset: int = 0) -> dict:
+        """token_ids with their `logprob_entries`; offset: where the first token's text starts in
+        the completion (completions' text_offset)."""
+        value = lambda entry: max(entry.logprob, LOGPROB_FLOOR)  # noqa: E731
+        if self.chat:
+            def item(token, entry):
+                text = self.text(token)
+                return {"token": text, "logprob": value(entry), "bytes": list(text.encode())}
+
+            return {"content": [{**item(t, e[t]), "top_logprobs": [item(u, x) for u, x in sorted(
+                e.items(), key=lambda kv: kv[1].rank)[:self.num]]} for t, e in zip(token_ids, entries)]}
+        tokens = [self.text(t) for t in token_ids]
+        offsets = [offset + sum(map(len, tokens[:j])) for j in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [value(e[t]) for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{self.text(u): value(x) for u, x in e.items()} for e in entries],
+                "text_offset": offsets}
+
+
 async def complete(server: Server, body: SamplingFields, prompts: list[list[int]], params: SamplingParams,
                    chat: bool, client_gone):
     """Both endpoints' response: one JSON body, or a stream of OpenAI chunks. A request's n
@@ -258,15 +310,17 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
             "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": server.name}
     generated: list[list[int]] = [[] for _ in prompts]
+    logprobs = None if params.logprobs is None else LogprobsFormat(server, chat, params.logprobs)
 
-    def choice(i: int, text: str, ids: list[int], reason: str | None, final_body: bool) -> dict:
+    def choice(i: int, text: str, ids: list[int], reason: str | None, final_body: bool, entries, offset=0) -> dict:
         if chat and final_body:
             content = {"message": {"role": "assistant", "content": text}}
         elif chat:
             content = {"delta": {"content": text} if text else {}}
         else:
             content = {"text": text}
-        out = {"index": i, **content, "logprobs": None, "finish_reason": reason}
+        out = {"index": i, **content, "logprobs": logprobs(ids, entries, offset) if logprobs else None,
+               "finish_reason": reason}
         if body.return_token_ids:
             out["token_ids"] = ids
         return out
@@ -274,18 +328,21 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
     if not body.stream:
         texts = [""] * len(prompts)
         reasons: list[str | None] = [None] * len(prompts)
+        entries: list[list] = [[] for _ in prompts]
 
         async def collect():
-            async for i, delta, ids, reason, error in server.choices(prompts, row_params, stops):
-                if error:
-                    raise APIError(500, f"generation failed: {error}", type="server_error")
+            async for i, delta, update in server.choices(prompts, row_params, stops):
+                if update.error:
+                    raise APIError(500, f"generation failed: {update.error}", type="server_error")
                 texts[i] += delta
-                generated[i] += ids
-                reasons[i] = reason
+                generated[i] += update.token_ids
+                entries[i] += update.logprobs or []
+                reasons[i] = update.finish_reason
 
         if not await unless_client_leaves(collect(), client_gone):
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        out = {**head, "choices": [choice(i, texts[i], generated[i], reasons[i], True) for i in range(len(prompts))],
+        out = {**head, "choices": [choice(i, texts[i], generated[i], reasons[i], True, entries[i])
+                                   for i in range(len(prompts))],
                "usage": usage(asked, generated)}
         if body.return_token_ids:
             out["prompt_token_ids"] = asked
@@ -296,13 +353,17 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
             for i in range(len(prompts)):
                 yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
-        async for i, delta, ids, reason, error in server.choices(prompts, row_params, stops):
-            if error:
-                yield sse(APIError(500, f"generation failed: {error}", type="server_error").body())
+        offsets = [0] * len(prompts)
+        async for i, delta, update in server.choices(prompts, row_params, stops):
+            if update.error:
+                yield sse(APIError(500, f"generation failed: {update.error}", type="server_error").body())
                 break
+            ids, reason = update.token_ids, update.finish_reason
             generated[i] += ids
-            if delta or reason is not None or (body.return_token_ids and ids):
-                yield sse({**head, "choices": [choice(i, delta, ids, reason, False)]})
+            if delta or reason is not None or ((body.return_token_ids or logprobs) and ids):
+                yield sse({**head, "choices": [choice(i, delta, ids, reason, False, update.logprobs or [],
+                                                      offsets[i])]})
+            offsets[i] += len(delta)
         if (body.stream_options or {}).get("include_usage"):
             yield sse({**head, "choices": [], "usage": usage(asked, generated)})
         yield sse("[DONE]")
@@ -386,7 +447,7 @@ def build_app(server: Server) -> FastAPI:
     async def completions(body: CompletionBody, request: Request):
         server.check_model(body.model)
         refuse_unsupported(body)
-        params = sampling_params(body, body.max_tokens)
+        params = sampling_params(server, body, body.max_tokens)
         prompts = completion_prompts(server, body.prompt)
         for ids in prompts:
             server.check_room(ids, body.max_tokens, "max_tokens")
@@ -403,7 +464,7 @@ def build_app(server: Server) -> FastAPI:
         if not body.messages or any(not isinstance(m.get("role"), str) for m in body.messages):
             raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, max_tokens)
+        params = sampling_params(server, body, max_tokens)
         try:
             prompt = server.chat_template.render(body.messages, body.chat_template_kwargs)
         except RequestError as e:
