@@ -139,9 +139,15 @@ def test_greedy_rows_take_the_longest_matching_prefix():
 N_REQUESTS = 2048  # per side of the two-sample test
 
 
+PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.5)
+
+
 def second_tokens(model_dir, spec, seeds, temperature=1.0):
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=64, speculative_config=spec)
-    params = [SamplingParams(max_tokens=2, temperature=temperature, seed=int(s), ignore_eos=True) for s in seeds]
+    """Two sampled tokens per seed, with penalties: the second token's distribution depends on the
+    first through them (and on the prompt's 5 and 9 through the repetition penalty)."""
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=256, speculative_config=spec)
+    params = [SamplingParams(max_tokens=2, temperature=temperature, seed=int(s), ignore_eos=True, **PENALTIES)
+              for s in seeds]
     outs = llm.generate(prompt_token_ids=[[5, 9, 5, 9, 5]] * len(seeds), sampling_params=params, use_tqdm=False)
     return np.asarray([o.outputs[0].token_ids for o in outs])
 
@@ -157,9 +163,10 @@ def plain_two_tokens(echo_dir) -> np.ndarray:
                          [("greedy", None), ("probabilistic", None), ("probabilistic", 24)])
 def test_end_to_end_first_speculative_token_matches_plain(echo_dir, plain_two_tokens, draft_sample_method,
                                                           draft_vocab_size):
-    """Two tokens per request: the first comes from prefill, the second from one speculative step
-    (or one plain step). Their joint distributions must agree (two-sample chi-square), also when
-    the MTP head drafts from a reduced vocabulary (its q is zero past it)."""
+    """Two tokens per request, sampled with penalties: the first comes from prefill, the second
+    from one speculative step (or one plain step). Their joint distributions must agree
+    (two-sample chi-square), also when the MTP head drafts from a reduced vocabulary (its q is zero
+    past it)."""
     spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": draft_sample_method,
             "draft_vocab_size": draft_vocab_size}
     plain = plain_two_tokens

@@ -105,6 +105,62 @@ def test_completions_and_chat_equal_generate(served):
     assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == ref[3].text
 
 
+def test_penalties_bias_and_logprobs_equal_generate(served):
+    """Penalties, min_p, min_tokens, logit_bias and logprobs through both endpoints give
+    LLM.generate's tokens and logprobs, and a plain request running beside them keeps its own
+    output (the live batch widens for them and narrows after)."""
+    url, llm, client = served
+    text, plain_text = "def fibonacci(n):", "import os\nfor"
+    ids = llm.tokenize(text)
+    fields = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3, min_p=0.05, min_tokens=4,
+                  logit_bias={str(ids[-1]): 4.0, "7": -100.0})
+    want, plain = reference(llm, [text, plain_text], [SamplingParams(max_tokens=10, temperature=0.0, logprobs=3,
+                                                                     **fields),
+                                                      SamplingParams(max_tokens=24, temperature=0.0)])
+    want, plain = want.outputs[0], plain.outputs[0]
+    got = {}
+
+    def run_plain():
+        got["plain"] = client.completions.create(model="tiny", prompt=plain_text, max_tokens=24, temperature=0)
+
+    thread = threading.Thread(target=run_plain)
+    thread.start()
+    extra = {k: fields[k] for k in ("repetition_penalty", "min_p", "min_tokens")} | {"return_token_ids": True}
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=10, temperature=0, logprobs=3,
+                                  presence_penalty=fields["presence_penalty"],
+                                  frequency_penalty=fields["frequency_penalty"], logit_bias=fields["logit_bias"],
+                                  extra_body=extra)
+    thread.join(timeout=300)
+    assert got["plain"].choices[0].text == plain.text
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == want.token_ids and c.text == want.text
+    assert c.logprobs.token_logprobs == pytest.approx([e[t].logprob for t, e in zip(want.token_ids, want.logprobs)],
+                                                      abs=1e-4)
+    assert c.logprobs.tokens == [llm.tokenizer.decode([t], False) for t in want.token_ids]
+    assert [sorted(d.values()) for d in c.logprobs.top_logprobs] == [
+        pytest.approx(sorted(x.logprob for x in e.values()), abs=1e-4) for e in want.logprobs]
+    assert c.logprobs.text_offset[0] == 0 and c.logprobs.text_offset == sorted(c.logprobs.text_offset)
+
+    messages = [{"role": "user", "content": "Write a loop"}]  # the same fields: the same executables
+    openai_fields = {k: fields[k] for k in ("presence_penalty", "frequency_penalty", "logit_bias")}
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body=extra, **openai_fields)
+    want = reference(llm, [ChatTemplate(CHATML).render(messages)],
+                     [SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, **fields)])[0].outputs[0]
+    content = chat.choices[0].logprobs.content
+    assert [x.logprob for x in content] == pytest.approx(
+        [e[t].logprob for t, e in zip(want.token_ids, want.logprobs)], abs=1e-4)
+    assert [len(x.top_logprobs) for x in content] == [3] * len(want.token_ids)
+    assert all(bytes(x.bytes).decode(errors="replace") == x.token for x in content)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True, extra_body=extra,
+                                            **openai_fields)
+    streamed = [x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)
+
+
 def test_sixteen_concurrent_streaming_clients(served):
     """More clients than slots: they queue, reuse freed slots, and each gets exactly its own
     greedy or seeded-sampled output."""
@@ -195,7 +251,10 @@ BAD = [
     ({"prompt": [1] * 100, "max_tokens": 200}, 400, "max_tokens", "context_length_exceeded"),
     ({"prompt": [TINY.vocab_size]}, 400, "prompt", None),
     ({"prompt": ""}, 400, "prompt", None),
-    ({"prompt": "x", "logprobs": 2}, 400, "logprobs", None),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
+    ({"prompt": "x", "logit_bias": {str(TINY.vocab_size): 1.0}}, 400, "logit_bias", None),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", None),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", None),
     ({"prompt": "x", "stop_token_ids": list(range(17))}, 400, "stop_token_ids", None),
     ({"max_tokens": 3}, 400, "prompt", None),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
@@ -300,20 +359,24 @@ ECHO_SPEC = {"method": "mtp", "num_speculative_tokens": 3}  # test_speculative c
 
 
 def test_scheduler_speculates_per_slot(echo_dir):
-    """Eight requests through four slots with MTP drafting: tokens and each request's draft and
-    acceptance counts equal LLM.generate's; the totals add up."""
+    """Eight requests through four slots with MTP drafting, two with penalties and logprobs:
+    tokens, logprobs and each request's draft and acceptance counts equal LLM.generate's; the
+    totals add up."""
     llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=ECHO_SPEC)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 60, rng.integers(3, 40)).tolist() for _ in range(8)]
+    # The live batch widens for these (to MAX_LOGPROBS: generate's batches have the same shapes).
+    penalized = dict(presence_penalty=0.4, repetition_penalty=1.3, logprobs=20)
     params = [SamplingParams(max_tokens=int(rng.integers(5, 40)), temperature=0.0, ignore_eos=True,
-                             speculative=bool(i % 3)) for i in range(8)]
+                             speculative=bool(i % 3), **(penalized if i % 4 == 1 else {})) for i in range(8)]
     ref = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     scheduler = Scheduler(llm, steps_per_chunk=2).start()
     results = [None] * 8
 
     def run(i):
         updates = list(scheduler.stream(prompts[i], params[i]))
-        results[i] = sum((u.token_ids for u in updates), []), updates[-1].metrics
+        results[i] = (sum((u.token_ids for u in updates), []), updates[-1].metrics,
+                      sum((u.logprobs or [] for u in updates), []))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     [t.start() for t in threads]
@@ -321,8 +384,10 @@ def test_scheduler_speculates_per_slot(echo_dir):
     stats = scheduler.stats()
     scheduler.shutdown()
     keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_per_position")
-    for (tokens, m), out in zip(results, ref):
+    for (tokens, m, logprobs), out in zip(results, ref):
         assert tokens == out.outputs[0].token_ids
+        head = lambda entries: [{t: x.logprob for t, x in e.items() if x.rank <= 3} for e in entries]  # noqa: E731
+        assert head(logprobs) == [pytest.approx(e, rel=1e-4, abs=1e-4) for e in head(out.outputs[0].logprobs or [])]
         assert {k: m[k] for k in keys} == {k: out.metrics[k] for k in keys}
     assert stats["num_accepted_tokens"] == sum(o.metrics["num_accepted_tokens"] for o in ref) > 0
     assert stats["requests_length"] == 8 and stats["running"] == stats["waiting"] == 0

@@ -229,7 +229,8 @@ def test_get_metrics_counts_over_the_llms_lifetime(chat_dir):
     ({"presence_penalty": 3}, r"presence_penalty=3 must be in \[-2, 2\]"),
     ({"repetition_penalty": 0}, r"repetition_penalty=0 must be > 0"),
     ({"logprobs": 25}, r"logprobs=25 must be 0 \(the sampled token's only\) to 20"),
-    ({"prompt_logprobs": 2}, r"prompt_logprobs=2 is not supported yet"),
+    ({"prompt_logprobs": 21}, r"prompt_logprobs=21 must be 0 \(each prompt token's only\) to 20"),
+    ({"logits_processors": [abs]}, r"logits_processors=\[<built-in function abs>\] is not supported yet"),
     ({"n": 2, "best_of": 4}, r"best_of=4 is not supported .* ask for n=4"),
     ({"stop": ["", "x"]}, r"stop must be a non-empty string or a list of them"),
 ])
@@ -278,8 +279,31 @@ def test_bad_words_are_never_generated(chat_llm, mtp_chat_llm):
     banned = {tok.encode(word)[0], tok.encode(" " + word)[0]}
     for row in greedy_both(chat_llm, mtp_chat_llm, bad_words=[word]):
         assert not banned & set(row)
-    with pytest.raises(ValueError, match=r"bad_words: .* tokens of this tokenizer; only words of one token"):
-        chat_llm.generate("x", SamplingParams(bad_words=["a long phrase of many words"]))
+    with pytest.raises(ValueError, match=r"bad_words: .* is longer than 8 tokens"):
+        chat_llm.generate("x", SamplingParams(bad_words=["a long phrase of many words, longer than eight tokens"]))
+
+
+def contains(row: list[int], word: list[int]) -> bool:
+    return any(row[i:i + len(word)] == word for i in range(len(row) - len(word) + 1))
+
+
+def test_multi_token_bad_words_are_never_completed(chat_llm, mtp_chat_llm):
+    """A bad word of several tokens: its last token is banned wherever the generated tokens end
+    with the rest of it (vLLM's rule), with speculation on as off; drafts before a verify position
+    count as generated."""
+    tok = chat_llm.get_tokenizer()
+    plain = greedy_both(chat_llm, mtp_chat_llm)
+    for j in range(len(plain[0]) - 1):  # a word the plain output spells as two or more tokens
+        word = tok.decode(plain[0][j:j + 2])
+        forms = chat_llm.bad_word_forms(SamplingParams(bad_words=[word]))
+        if word.strip() and any(len(f) > 1 and contains(plain[0], f) for f in forms):
+            break
+    else:
+        pytest.fail("no two-token word in the plain output")
+    banned = greedy_both(chat_llm, mtp_chat_llm, bad_words=[word])
+    assert banned[0] != plain[0]
+    for row in banned:
+        assert not any(contains(row, f) for f in forms)
 
 
 def test_min_tokens_holds_stop_tokens_back(chat_llm, mtp_chat_llm):
@@ -328,6 +352,27 @@ def test_apply_penalties_is_vllms_formula():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_prompt_logprobs_are_the_targets_over_the_prompt(chat_llm):
+    prompt = [9, 8, 7, 100, 3, 3]
+    out = chat_llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=2, prompt_logprobs=2),
+                            use_tqdm=False)[0]
+    ref = log_softmax(chat_llm.logits(prompt))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for j, entries in enumerate(out.prompt_logprobs[1:]):
+        want = ref[j]
+        token = prompt[j + 1]
+        assert set(np.argsort(-want)[:2].tolist()) | {token} == set(entries)
+        assert entries[token].rank == 1 + int(np.sum(want > want[token]))
+        for t, entry in entries.items():
+            assert abs(entry.logprob - want[t]) < 1e-4
+            assert entry.decoded_token == chat_llm.get_tokenizer().decode([t], False)
+
+
 def test_logprobs_are_the_targets_with_speculation_on_or_off(chat_llm, mtp_chat_llm):
     """vLLM's logprobs (raw target logits): each token's own entry and the top K, equal to a
     full-sequence forward's log-softmax, the same from the verify pass as from plain decoding."""
@@ -336,9 +381,7 @@ def test_logprobs_are_the_targets_with_speculation_on_or_off(chat_llm, mtp_chat_
     off = chat_llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
     on = mtp_chat_llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
     assert on.token_ids == off.token_ids and len(off.logprobs) == len(on.logprobs) == 24
-    logits = chat_llm.logits(prompt + off.token_ids).astype(np.float64)
-    ref = logits - logits.max(-1, keepdims=True)
-    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    ref = log_softmax(chat_llm.logits(prompt + off.token_ids))
     for j, token in enumerate(off.token_ids):
         want = ref[len(prompt) - 1 + j]
         top = set(np.argsort(-want)[:3].tolist())
