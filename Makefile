@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 .PHONY: demo test clean
 demo: $(STAMP)
 	$(VENV)/bin/spec-jax generate --prompt "def fibonacci(n):" --prompt "The module provides" --max-tokens 64 \
-		--temperature 0.7 --top-p 0.95 --speculative-config '{"method":"mtp","num_speculative_tokens":2}'
+		--max-model-len 512 --ignore-eos --compare \
+		--speculative-config '{"method":"eagle3","model":"spec_jax/assets/default/eagle3","num_speculative_tokens":3}'
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

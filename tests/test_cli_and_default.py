@@ -1,5 +1,7 @@
 """The CLI and the embedded default model, as a new user meets them."""
 
+import re
+
 import numpy as np
 import pytest
 from conftest import HF_FIXTURES
@@ -44,11 +46,15 @@ def test_generate_command_speculates(capsys):
     ids = ",".join(map(str, ref["prompt_ids"].tolist()))
     rc = main(["generate", "--model", str(HF_FIXTURES / "dense_vl"), "--dtype", "float32", "--prompt-token-ids", ids,
                "--max-tokens", "8", "--max-model-len", "64", "--ignore-eos",
-               "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+               "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--compare"])
     out = capsys.readouterr()
     assert rc == 0
     assert str(ref["greedy_ids"][:8].tolist()) in out.out
-    assert "speculation mtp: acceptance rate" in out.err
+    assert "speculation mtp k=2: acceptance rate" in out.err
+    assert re.search(r"speculation off: [\d.]+ tok/s\nspeculation on:  [\d.]+ tok/s \(mtp k=2, mean acceptance length "
+                     r"[\d.]+\)\nspeedup [\d.]+x \(compilation excluded.*greedy output identical", out.out)
+    assert main(["generate", "--model", str(HF_FIXTURES / "dense_vl"), "--prompt-token-ids", ids, "--compare"]) == 2
+    assert "--compare needs --speculative-config" in capsys.readouterr().err
 
 
 def test_random_checkpoint_script_writes_loadable_target_and_drafter(tmp_path):

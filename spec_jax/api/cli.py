@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--stop-token-ids", default=None, help="comma-separated extra stop token ids")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run the prompts with speculation off; print both speeds (compilation excluded), "
+                          "the speedup and whether greedy output is identical")
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -134,25 +137,54 @@ def generate(args) -> None:
     stop = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, stop_token_ids=stop, ignore_eos=args.ignore_eos)
+    if args.compare and args.speculative_config is None:
+        raise ValueError("--compare needs --speculative-config (it compares speculation on with off)")
     llm = load_llm(args)
-    if args.prompt:
-        outs = llm.generate(args.prompt, params)
-    else:
-        ids = [parse_ids(x, "--prompt-token-ids") for x in args.prompt_token_ids]
-        outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    run = lambda model, bar=True: (model.generate(args.prompt, params, use_tqdm=bar) if args.prompt else  # noqa: E731
+                                   model.generate(prompt_token_ids=[parse_ids(x, "--prompt-token-ids")
+                                                                    for x in args.prompt_token_ids],
+                                                  sampling_params=params, use_tqdm=bar))
+    outs = run(llm)
     for out in outs:
         c = out.outputs[0]
         m = out.metrics
         print(f"--- prompt: {out.prompt!r}" if out.prompt is not None else f"--- prompt ids: {out.prompt_token_ids}")
         print(c.text if llm.tokenizer else c.token_ids)
-        print(f"[{m['num_generated_tokens']} tokens, finish={c.finish_reason}, {m['tokens_per_s']:.1f} tok/s "
-              f"including compilation on first use]", file=sys.stderr)
+        if not args.compare:
+            print(f"[{m['num_generated_tokens']} tokens, finish={c.finish_reason}, {m['tokens_per_s']:.1f} tok/s "
+                  f"including compilation on first use]", file=sys.stderr)
     if llm.speculative_config is not None:
-        a = llm.metrics
-        per_pos = ", ".join(f"{x:.2f}" for x in a["acceptance_per_position"])
-        print(f"[speculation {llm.speculative_config.method}: acceptance rate {a['acceptance_rate']:.2f}, mean "
-              f"acceptance length {a['mean_acceptance_length']:.2f}, per position {per_pos}; "
-              f"{a['num_accepted_tokens']}/{a['num_draft_tokens']} drafts accepted]", file=sys.stderr)
+        print(f"[speculation {speculation_summary(llm)}]", file=sys.stderr)
+    if args.compare:
+        compare(llm, outs, run, greedy=params.temperature == 0)
+
+
+def speculation_summary(llm) -> str:
+    a, spec = llm.metrics, llm.speculative_config
+    per_pos = ", ".join(f"{x:.2f}" for x in a["acceptance_per_position"])
+    return (f"{spec.method} k={spec.num_speculative_tokens}: acceptance rate {a['acceptance_rate']:.2f}, mean "
+            f"acceptance length {a['mean_acceptance_length']:.2f}, per position {per_pos}; "
+            f"{a['num_accepted_tokens']}/{a['num_draft_tokens']} drafts accepted")
+
+
+def compare(llm, outs, run, *, greedy: bool) -> None:
+    """Speculation on against off on the same prompts: each timed on a second run, so compilation
+    (done by the first) is excluded."""
+    plain = llm.with_speculation(None)
+    plain_outs = run(plain, False)
+    speeds = {}
+    for name, model in (("off", plain), ("on", llm)):
+        run(model, False)
+        speeds[name] = model.metrics["tokens_per_s"]
+    same = [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain_outs]
+    same_text = "identical" if same else "DIFFERENT"
+    print(f"speculation off: {speeds['off']:.1f} tok/s\n"
+          f"speculation on:  {speeds['on']:.1f} tok/s ({llm.speculative_config.method} "
+          f"k={llm.speculative_config.num_speculative_tokens}, mean acceptance length "
+          f"{llm.metrics['mean_acceptance_length']:.2f})\n"
+          f"speedup {speeds['on'] / speeds['off']:.2f}x (compilation excluded: each timed on a second run); "
+          + (f"greedy output {same_text} to speculation off's" if greedy else
+             "sampled output: the same distribution, not the same tokens"))
 
 
 def serve(args) -> None:
