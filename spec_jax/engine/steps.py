@@ -312,7 +312,7 @@ def with_processors(state: DecodeState, names: frozenset[str], num_logprobs: int
     """The B-row `state` carrying exactly the logit processors `names` (`RowSampling`'s optional
     fields, with the `TokenHistory` penalties read) and `num_logprobs` top logprobs per written
     token (None: no logprobs). What stays is kept; what is added starts neutral, so the rows
-    already running produce the same tokens. A continuous batch widens to what a new request needs
+    already running produce the same tokens (logprobs of another width start empty). A continuous batch widens to what a new request needs
     and narrows when no row needs it any more; the step compiles once per combination."""
     B, L = state.tokens.shape
     sampling = state.sampling.with_processors(names, vocab_size, state.stop_ids)
