@@ -57,7 +57,8 @@ def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequen
     (default: the most stop ids any row has). vocab_size and bad_words (each row's bad words as
     token sequences, `LLM.bad_word_forms`) are needed only when a row sets logit_bias,
     allowed_token_ids or bad_words.
-    processors: `PROCESSORS` the batch carries even if no row uses them (a scheduler's live batch)."""
+    processors: `RowSampling`'s optional fields the batch carries even if no row uses them (a
+    scheduler's live batch)."""
     n, B = len(ids), rows
     tokens = np.zeros((B, prompt_len), np.int32)
     lengths = np.ones((B,), np.int32)
@@ -97,12 +98,9 @@ def reference_shape(engine: Engine, rows: int):
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]
 
 
-PROCESSORS = ("min_p", "bias", "min_tokens", "penalties", "bad_words")  # `RowSampling`'s optional fields
-
-
 def processors_needed(p, bad_words: Sequence[Sequence[int]] = ()) -> frozenset[str]:
-    """Which of `PROCESSORS` a request's `SamplingParams` use, given its bad words as token
-    sequences (a one-token word is a bias of -inf; a longer one needs the bad_words processor)."""
+    """Which of `RowSampling`'s optional fields a request's `SamplingParams` use, given its bad
+    words as token sequences (a one-token word is a bias of -inf; a longer one needs bad_words)."""
     used = {"min_p": p.min_p > 0,
             "bias": bool(p.logit_bias or p.allowed_token_ids or any(len(w) == 1 for w in bad_words)),
             "min_tokens": p.min_tokens > 0,

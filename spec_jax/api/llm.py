@@ -408,7 +408,7 @@ class LLM:
         """Pad a batch of checked prompt ids to the engine's buckets and prefill it (one
         `SamplingParams` a row). Returns (DecodeState, do_sample, each row's stop ids). The
         scheduler fixes stop_width (the stop_ids columns), do_sample, the logit processors carried
-        (`batching.PROCESSORS`, besides those a row uses) and num_logprobs kept per token (default:
+        (`RowSampling`'s optional fields, besides those a row uses) and num_logprobs kept per token (default:
         the most any row asks for) so that every row it prefills fits its live batch."""
         seeds = [self._row_seed(p) for p in params]
         batch = assemble_batch(ids, params, seeds, rows=self.engine.batch_bucket(len(ids)),
@@ -446,10 +446,10 @@ class LLM:
                              f"{MAX_BAD_WORDS} are supported")
         return forms
 
-    def check_params(self, p: SamplingParams) -> None:
+    def check_params(self, p: SamplingParams) -> list[list[int]]:
         """What SamplingParams cannot check alone, against this model: logit_bias keys and
         allowed_token_ids are ids of its vocabulary; stop strings and bad_words need its tokenizer.
-        Raises ValueError naming the field."""
+        Raises ValueError naming the field; returns the request's `bad_word_forms`."""
         if p.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, and {self.model_path} has none; use stop_token_ids")
         for name, ids in (("logit_bias", [int(t) for t in p.logit_bias or {}]),
@@ -457,7 +457,7 @@ class LLM:
             bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
-        self.bad_word_forms(p)
+        return self.bad_word_forms(p)
 
     def _plain(self) -> Engine:
         """A plain-decoding engine on the same weights (the oracle's reference run), made once."""

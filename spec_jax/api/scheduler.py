@@ -132,11 +132,11 @@ class Scheduler:
         """Queue a prompt; `sink` gets its updates. Bad prompts, stop lists or token ids raise
         ValueError here."""
         ids = self.llm.tokenize(prompt_token_ids)
-        self.llm.check_params(params)
+        bad_words = self.llm.check_params(params)
         if len(params.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids given; at most {MAX_STOP_TOKEN_IDS} "
                              f"are supported")
-        req = Request(next(self.ids), ids, params, sink, processors_needed(params, self.llm.bad_word_forms(params)))
+        req = Request(next(self.ids), ids, params, sink, processors_needed(params, bad_words))
         with self.lock:
             self.queued += 1
         self.inbox.put(("add", req))
