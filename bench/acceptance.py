@@ -1,6 +1,9 @@
 """Acceptance of every drafter of a trained model on held-out prose and code, and spec-on against
 spec-off decode speed (greedy, jitted, warm: each configuration runs once to compile, then is
-timed on a second run). Where greedy spec-on output leaves spec-off's, the target's logit gap between
+timed on a second run), against each method's bound: L x (plain step time) / (step time of the
+oracle at the same k), the oracle's drafts costing nothing, so its step is the verify pass and the
+bookkeeping alone. "of bound" is the speedup over that bound: what drafting and anything else the
+method adds leave of it. Where greedy spec-on output leaves spec-off's, the target's logit gap between
 the two tokens at the first difference is reported: bf16 rounding can only flip a near-tie.
 
     python -m bench.acceptance --model spec_jax/assets/default --corpus corpus.npz --out results/acceptance
@@ -55,8 +58,9 @@ def timed_run(llm: LLM, prompts, params: SamplingParams, batch: int) -> tuple[di
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     decode_s = sum(o.metrics["decode_s"] for o in outs[::batch])  # rows of one batch share its decode time
+    steps = sum(o.metrics["batch_decode_steps"] for o in outs[::batch])
     generated = sum(o.metrics["num_generated_tokens"] - 1 for o in outs)  # the first token comes from prefill
-    row = {"decode_tok_s": generated / decode_s}
+    row = {"decode_tok_s": generated / decode_s, "step_ms": 1e3 * decode_s / steps}
     for key in ("acceptance_rate", "mean_acceptance_length", "acceptance_per_position"):
         if key in llm.metrics:
             row[key] = llm.metrics[key]
@@ -86,14 +90,16 @@ def label(spec: dict | None) -> str:
 
 def markdown(rows: list[dict], device: str) -> str:
     lines = [f"Device: {device}. Greedy; decode tokens/s after a compile run.", "",
-             "| kind | method | acceptance rate | mean acceptance length | per position | tok/s | speedup | "
-             "same output | largest divergence gap |", "|---|---|---|---|---|---|---|---|---|"]
+             "| kind | method | acceptance rate | mean acceptance length | per position | tok/s | step ms | speedup | "
+             "bound | of bound | same output | largest divergence gap |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         per_pos = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", []))
         acc = f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"
         mal = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
+        bound = f"{r['bound']:.2f}x | {r['speedup'] / r['bound']:.2f}" if "bound" in r else "- | -"
         lines.append(f"| {r['kind']} | {r['method']} | {acc} | {mal} | {per_pos or '-'} | {r['decode_tok_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['same_output']}/{r['prompts']} | "
+                     f"{r['step_ms']:.3f} | {r['speedup']:.2f}x | {bound} | {r['same_output']}/{r['prompts']} | "
                      f"{max(r['divergence_gaps']) if r['divergence_gaps'] else '-'} |")
     return "\n".join(lines) + "\n"
 
@@ -121,6 +127,9 @@ def main(argv=None) -> None:
         prompts = prompts_for(kind, args, base)
         plain, reference = timed_run(base, prompts, params, args.batch)
         specs = speculative_configs(model_dir, base.model.mtp is not None) + [json.loads(s) for s in args.extra_spec]
+        oracle_step_ms = {k: timed_run(base.with_speculation({"method": "oracle", "num_speculative_tokens": k}),
+                                       prompts, params, args.batch)[0]["step_ms"]
+                          for k in sorted({spec["num_speculative_tokens"] for spec in specs})}
         for spec in [None, *specs]:
             engine_spec = None if spec is None else {k: v for k, v in spec.items() if k != "label"}
             r, tokens = (plain, reference) if spec is None else timed_run(base.with_speculation(engine_spec), prompts,
@@ -129,6 +138,9 @@ def main(argv=None) -> None:
                  "speedup": r["decode_tok_s"] / plain["decode_tok_s"],
                  "same_output": sum(a == b for a, b in zip(tokens, reference)),
                  "divergence_gaps": divergence_gaps(base, prompts, tokens, reference)}
+            if spec is not None:
+                r["oracle_step_ms"] = oracle_step_ms[spec["num_speculative_tokens"]]
+                r["bound"] = r["mean_acceptance_length"] * plain["step_ms"] / r["oracle_step_ms"]
             rows.append(r)
             print(json.dumps(r), flush=True)
     out = Path(args.out)

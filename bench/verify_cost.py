@@ -54,7 +54,7 @@ def make_forward(gdef, kv_len: int):
         out = m(tokens, batch, cache, kv_len=kv_len, rollback=rollback)
         hidden, cache = out.hidden, out.cache
         if rollback is not None:
-            cache = m.commit(cache, out[2], jnp.full_like(start, tokens.shape[1] // 2 + 1))
+            cache = m.commit(cache, out.pending, jnp.full_like(start, tokens.shape[1] // 2 + 1))
         return (m.logits(hidden) if with_logits else hidden), cache
 
     return forward

@@ -46,9 +46,12 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_dir):
+    """The tiny model with one batch bucket: a lone prompt runs in the same compiled program as a
+    batch of up to four, so a test's "alone" and "mixed" runs compile once (and every
+    `with_speculation` of it inherits the bucket)."""
     from spec_jax import LLM
 
-    return LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
+    return LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4])
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,7 @@ def test_context_cache_holds_the_committed_prefix(tiny_llm, dflash_dir):
     """After several steps, the drafter's context K/V equals what a fresh pass over the whole
     committed sequence gives (rejected positions were overwritten or are past the length)."""
     llm = tiny_llm.with_speculation(spec(dflash_dir))
-    state, do_sample, _ = llm.start_batch([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY])
+    state, do_sample, _ = llm.start_batch([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)  # the state read below: one row
     state = llm.engine.decode(state, 4, do_sample)
     n = int(state.lengths[0]) - 1  # committed positions
     model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)

@@ -52,7 +52,7 @@ def test_partial_acceptance_in_a_mixed_batch(tiny_llm, near_copy, plain_greedy, 
 
 def test_the_drafts_caches_end_at_the_accepted_prefix(tiny_llm, near_copy):
     llm = tiny_llm.with_speculation(spec(near_copy, 3))
-    state, do_sample, _ = llm.start_batch(prompts()[2:], [GREEDY])
+    state, do_sample, _ = llm.start_batch(prompts()[2:], [GREEDY], rows=1)  # the state read below: one row
     state = llm.engine.decode(state, 5, do_sample)
     assert 0 < int(state.stats.accepted[0]) < 15
     n = int(state.lengths[0])

@@ -80,7 +80,7 @@ def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, plain_greedy, 
 
 def propose(llm, params, choose_for):
     """One DSpark proposal for the middle prompt: (drafts [k], q [k, V] or None, the step's pieces)."""
-    state, do_sample, _ = llm.start_batch(prompts()[1:2], [params])
+    state, do_sample, _ = llm.start_batch(prompts()[1:2], [params], rows=1)  # the state read below: one row
     model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
     proposer = llm.engine.plan.proposer
     choose = choose_for(state, do_sample)

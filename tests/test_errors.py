@@ -30,6 +30,13 @@ def test_token_id_outside_vocabulary(tiny_llm):
         tiny_llm.logits([-1, 2])
 
 
+def test_compiler_options_xla_does_not_know(tiny_dir):
+    with pytest.raises(ValueError, match=r"compiler_options=\{'xla_bogus': 1\}: XLA refused .*No such compile option"):
+        LLM(str(tiny_dir), compiler_options={"xla_bogus": 1})
+    with pytest.raises(ValueError, match="compiler_options must be a dict"):
+        LLM(str(tiny_dir), compiler_options="xla_backend_optimization_level=2")
+
+
 @pytest.mark.parametrize("bad", [0, -3])
 def test_max_tokens_must_be_positive(bad):
     with pytest.raises(ValueError, match=f"max_tokens={bad}"):

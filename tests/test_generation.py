@@ -8,7 +8,7 @@ from flax import nnx
 
 from models.layers import Batch
 from models.qwen3_5 import init_cache
-from spec_jax import SamplingParams
+from spec_jax import LLM, SamplingParams
 from spec_jax.loading import load_model
 
 
@@ -46,15 +46,29 @@ def test_prefill_then_decode_equals_full_forward(model, n, m):
     np.testing.assert_allclose(np.stack(got), full[0, n - 1 : n + m], rtol=1e-4, atol=1e-4)
 
 
-def test_batch_rows_equal_rows_alone(tiny_llm):
+def test_batch_rows_equal_rows_alone(tiny_dir, tiny_llm):
+    """Rows of a batch equal each row run alone in a one-row program (the default buckets: powers
+    of two), and the batch padded to tiny_llm's one bucket of four rows."""
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 500, size=n).tolist() for n in (5, 17, 70)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     together = tiny_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    one_row = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4)
+    assert (one_row.engine.batch_bucket(1), tiny_llm.engine.batch_bucket(1)) == (1, 4)
     for p, out in zip(prompts, together):
-        alone = tiny_llm.generate(prompt_token_ids=[p], sampling_params=params)[0]
+        alone = one_row.generate(prompt_token_ids=[p], sampling_params=params)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
         assert len(out.outputs[0].token_ids) == 12
+
+
+def test_batch_buckets_pick_the_smallest_that_holds_a_batch(tiny_dir):
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=64, max_num_seqs=8, batch_buckets=[6, 2, 2])
+    assert [llm.engine.batch_bucket(n) for n in (1, 2, 3, 6, 7, 8)] == [2, 2, 6, 6, 8, 8]
+    for bad, message in [([0], "a batch bucket=0 must be between 1 and max_num_seqs=8"),
+                         ([9], "a batch bucket=9 must be between 1"), ([2.0], "a batch bucket must be an integer"),
+                         ("4", "batch_buckets must be a non-empty list"), ([], "batch_buckets must be a non-empty")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(model=str(tiny_dir), dtype="float32", max_model_len=64, max_num_seqs=8, batch_buckets=bad)
 
 
 def test_greedy_tokens_are_the_argmax_of_full_logits(tiny_llm):

@@ -139,7 +139,7 @@ def dense_gguf(tmp_path_factory, tiny_dir):
 def test_llm_generates_from_a_gguf_directory_as_from_safetensors(dense_gguf, tiny_llm):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = tiny_llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=params)[0].outputs[0].token_ids
-    llm = LLM(model=str(dense_gguf), dtype="float32", max_model_len=256, max_num_seqs=4)
+    llm = LLM(model=str(dense_gguf), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4])
     assert llm.model.mtp is not None and llm.cfg == tiny_llm.cfg
     assert llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=params)[0].outputs[0].token_ids == want
 

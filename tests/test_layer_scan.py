@@ -26,7 +26,7 @@ from spec_jax.writing.random_checkpoint import write_dflash_checkpoint
 
 def test_unrolled_layers_reproduce_the_rolled_model(monkeypatch, tiny_dir, plain_greedy):
     monkeypatch.setattr(engine, "default_decode_layout", lambda: True)
-    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4],
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert llm.model.layers is None and len(llm.model.groups) == llm.cfg.num_groups  # the decode layout
     assert llm.model.mtp.layer is not None
@@ -37,7 +37,7 @@ def test_block_drafter_decode_layout_reproduces_plain_greedy(monkeypatch, tmp_pa
     """DSpark (the DFlash backbone plus the Markov head) with its layers unstacked and unrolled."""
     monkeypatch.setattr(engine, "default_decode_layout", lambda: True)
     drafter = write_dflash_checkpoint(tmp_path, DSPARK, seed=2, layout="dspark")
-    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4],
               speculative_config={"method": "dspark", "model": str(drafter), "num_speculative_tokens": 4})
     _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
     assert draft.layers is None and len(draft.unstacked) == DSPARK.num_hidden_layers
@@ -47,7 +47,7 @@ def test_block_drafter_decode_layout_reproduces_plain_greedy(monkeypatch, tmp_pa
 def test_qwen3_draft_model_decode_layout_reproduces_plain_greedy(monkeypatch, tiny_dir, plain_greedy):
     monkeypatch.setattr(engine, "default_decode_layout", lambda: True)
     drafter = HF_FIXTURES.parent / "qwen3"  # a plain Qwen3 checkpoint in the target's vocabulary
-    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4],
               speculative_config={"method": "draft_model", "model": str(drafter), "num_speculative_tokens": 2})
     _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
     assert draft.layers is None and len(draft.unstacked) == draft.cfg.num_hidden_layers
@@ -57,7 +57,9 @@ def test_qwen3_draft_model_decode_layout_reproduces_plain_greedy(monkeypatch, ti
 def layout_config(moe: bool) -> Qwen3_5Config:
     extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                  shared_expert_intermediate_size=48) if moe else {}
-    return dataclasses.replace(TINY, **extra)
+    # Two groups of two layers: the stacks are scanned over more than one repeat, and the unrolled
+    # program is half the size of TINY's eight layers.
+    return dataclasses.replace(TINY, num_hidden_layers=4, full_attention_interval=2, layer_types=(), **extra)
 
 
 @pytest.mark.parametrize("moe", [False, True])

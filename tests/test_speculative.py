@@ -21,7 +21,8 @@ def prompts(n_rows=3, vocab=60, seed=0):
 
 
 def run(model_dir, spec, ids, params=GREEDY, **kw):
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4, speculative_config=spec, **kw)
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4, batch_buckets=[4],
+              speculative_config=spec, **kw)
     outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 

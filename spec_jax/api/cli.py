@@ -35,6 +35,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default 4096)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="batch rows per step (default 8, or what --gpu-memory-utilization fits up to 256)")
+    p.add_argument("--batch-buckets", default=None, metavar="ROWS",
+                   help="comma-separated batch row counts to compile for (default: powers of two up to "
+                        "--max-num-seqs); a batch runs padded to the smallest that holds it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative-config", default=None,
                    help="vLLM's speculative config as JSON, e.g. '{\"method\":\"ngram\",\"num_speculative_tokens\":3}'")
@@ -113,9 +116,10 @@ def load_llm(args):
 
     t0 = time.perf_counter()
     engine_args = {name: getattr(args, name) for name in VLLM_FLAGS if getattr(args, name) is not None}
+    buckets = parse_ids(args.batch_buckets, "--batch-buckets") if args.batch_buckets else None
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, tokenizer=args.tokenizer,
-              max_num_seqs=args.max_num_seqs, seed=args.seed, speculative_config=args.speculative_config,
-              rollback=args.rollback, **engine_args)
+              max_num_seqs=args.max_num_seqs, batch_buckets=buckets, seed=args.seed,
+              speculative_config=args.speculative_config, rollback=args.rollback, **engine_args)
     print(f"loaded {llm.model_path} ({llm.cfg.model_type}, {llm.cfg.num_hidden_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return llm

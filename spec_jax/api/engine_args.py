@@ -45,7 +45,7 @@ IGNORED = {
     "disable_log_requests": "requests are not logged",
     "limit_mm_per_prompt": "the models here read text only",
     "mm_processor_kwargs": "the models here read text only",
-    "max_logprobs": "logprobs are not returned yet",
+    "max_logprobs": "a request may ask for up to 20 logprobs (vLLM's default), a fixed cap",
 }
 
 # Parallelism vLLM offers over several devices: only 1 is accepted here.

@@ -54,6 +54,18 @@ def device_memory() -> dict:
     return jax.devices()[0].memory_stats() or {}
 
 
+def check_compiler_options(options: dict | None) -> None:
+    """ValueError naming an option XLA does not know (found by compiling a one-op program with them)."""
+    if options is None:
+        return
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"compiler_options must be a dict of XLA option names to values, got {options!r}")
+    try:
+        jax.jit(lambda x: x).lower(jnp.zeros(1)).compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:
+        raise ValueError(f"compiler_options={options!r}: XLA refused them ({e})") from None
+
+
 class LLM:
     """A Qwen3.5/3.6 checkpoint loaded for generation.
 
@@ -65,6 +77,11 @@ class LLM:
       max_model_len: the longest prompt + completion (default 4096, or the model's limit if lower);
         it sizes the KV cache.
       max_num_seqs: batch rows per step; more prompts run in several batches.
+      batch_buckets: the batch row counts programs are compiled for; a batch runs padded to the
+        smallest that holds it (max_num_seqs always one). Default: powers of two up to max_num_seqs.
+        One bucket, [max_num_seqs], compiles once for every batch size, at the cost of padded rows.
+      compiler_options: XLA options for every program this LLM compiles, as `jax.jit` takes them,
+        e.g. {"xla_backend_optimization_level": 0} to compile faster what runs briefly.
       seed: base seed for requests that do not set their own.
       speculative_config: vLLM's `--speculative-config` (dict or JSON); None runs plain decoding.
       tokenizer: a `tokenizer.json` file, a directory holding one, or a cached HF repo id (default: the
@@ -79,7 +96,8 @@ class LLM:
     """
 
     def __init__(self, model: str | Qwen3_5Model | None = None, *, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int | None = None, seed: int = 0,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 batch_buckets: Sequence[int] | None = None, compiler_options: dict | None = None, seed: int = 0,
                  speculative_config=None, tokenizer: str | None = None, rollback: str = "replay", **kwargs):
         engine_args = resolve_engine_args(kwargs)
         if model is None:
@@ -104,6 +122,13 @@ class LLM:
         if max_num_seqs is None:  # vLLM's cap when memory sizes the batch; a small default otherwise
             max_num_seqs = MAX_NUM_SEQS_SIZED if engine_args.gpu_memory_utilization else DEFAULT_MAX_NUM_SEQS
         check_int("max_num_seqs", max_num_seqs, 1, 4096, "must be between 1 and 4096")
+        if batch_buckets is not None:
+            if isinstance(batch_buckets, (str, bytes)) or not hasattr(batch_buckets, "__iter__") or not batch_buckets:
+                raise ValueError(f"batch_buckets must be a non-empty list of row counts, got {batch_buckets!r}")
+            for b in batch_buckets:
+                check_int("a batch bucket", b, 1, max_num_seqs, f"must be between 1 and max_num_seqs={max_num_seqs}")
+            batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
+        check_compiler_options(compiler_options)
         quantize_to = None if loaded is not None else check_quantization(engine_args.quantization,
                                                                            checkpoint_methods(model))
         check_int("seed", seed, -(2**63), 2**63 - 1, "must fit in 64 bits")
@@ -123,7 +148,8 @@ class LLM:
         if not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
         self.max_model_len = max_model_len
-        self._set_speculation(speculative_config, rollback, max_num_seqs)
+        self.compiler_options = compiler_options
+        self._set_speculation(speculative_config, rollback, max_num_seqs, batch_buckets)
         if engine_args.gpu_memory_utilization is not None:
             self._size_batch(engine_args.gpu_memory_utilization, explicit=asked_seqs is not None)
         self.metrics: dict = {}
@@ -143,7 +169,8 @@ class LLM:
         self.lifetime = LifetimeCounters()
         self.generation_defaults = generation_defaults(self.model_path)
 
-    def _set_speculation(self, speculative_config, rollback: str, max_num_seqs: int, draft=None) -> None:
+    def _set_speculation(self, speculative_config, rollback: str, max_num_seqs: int,
+                         batch_buckets: tuple[int, ...] | None, draft=None) -> None:
         spec = parse_speculative_config(speculative_config, target_model=self.model_path,
                                         target_has_mtp=self.model.mtp is not None)
         if spec is not None and spec.num_speculative_tokens + 1 >= self.max_model_len:
@@ -165,7 +192,7 @@ class LLM:
                                                   spec.num_speculative_tokens, rollback,
                                                   spec.draft_sample_method == "probabilistic")
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
-                             draft=draft)
+                             draft=draft, batch_buckets=batch_buckets, compiler_options=self.compiler_options)
 
     def _size_batch(self, utilization: float, *, explicit: bool) -> None:
         """vLLM's gpu_memory_utilization: the rows of caches that fit in that share of the device's
@@ -209,7 +236,8 @@ class LLM:
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
         other = copy.copy(self)
-        other._set_speculation(speculative_config, rollback, self.engine.max_num_seqs, draft)
+        other._set_speculation(speculative_config, rollback, self.engine.max_num_seqs, self.engine.batch_buckets,
+                               draft)
         other.metrics, other._plain_engine, other.lifetime = {}, None, LifetimeCounters()
         return other
 
@@ -404,14 +432,16 @@ class LLM:
 
     def start_batch(self, ids: Sequence[Sequence[int]], params: Sequence[SamplingParams], *,
                     stop_width: int | None = None, do_sample: bool | None = None,
-                    processors: frozenset[str] = frozenset(), num_logprobs: int | None = None):
+                    processors: frozenset[str] = frozenset(), num_logprobs: int | None = None,
+                    rows: int | None = None):
         """Pad a batch of checked prompt ids to the engine's buckets and prefill it (one
         `SamplingParams` a row). Returns (DecodeState, do_sample, each row's stop ids). The
         scheduler fixes stop_width (the stop_ids columns), do_sample, the logit processors carried
         (`RowSampling`'s optional fields, besides those a row uses) and num_logprobs kept per token (default:
-        the most any row asks for) so that every row it prefills fits its live batch."""
+        the most any row asks for) so that every row it prefills fits its live batch, and rows (default:
+        the batch bucket of len(ids)) to 1 for a request joining it."""
         seeds = [self._row_seed(p) for p in params]
-        batch = assemble_batch(ids, params, seeds, rows=self.engine.batch_bucket(len(ids)),
+        batch = assemble_batch(ids, params, seeds, rows=rows or self.engine.batch_bucket(len(ids)),
                                prompt_len=self.engine.prompt_bucket(max(len(x) for x in ids)),
                                max_model_len=self.max_model_len, eos=self.cfg.eos_token_id, stop_width=stop_width,
                                vocab_size=self.cfg.vocab_size,
@@ -463,7 +493,8 @@ class LLM:
         """A plain-decoding engine on the same weights (the oracle's reference run), made once."""
         if getattr(self, "_plain_engine", None) is None:
             self._plain_engine = Engine(self.model, max_model_len=self.max_model_len,
-                                        max_num_seqs=self.engine.max_num_seqs)
+                                        max_num_seqs=self.engine.max_num_seqs, batch_buckets=self.engine.batch_buckets,
+                                        compiler_options=self.compiler_options)
         return self._plain_engine
 
     def _run_batch(self, ids, params) -> list[tuple[CompletionOutput, dict]]:

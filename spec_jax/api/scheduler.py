@@ -240,7 +240,8 @@ class Scheduler:
                 self._fit_layout(joining=req)
                 row, _, stops = self.llm.start_batch([req.prompt_token_ids], [req.params], stop_width=self.stop_width,
                                                       do_sample=self.always_sample or None,
-                                                      processors=self.processors, num_logprobs=self._num_logprobs())
+                                                      processors=self.processors, num_logprobs=self._num_logprobs(),
+                                                      rows=1)
             except Exception as e:  # e.g. a prompt bucket that fails to compile: this request only
                 log.exception("prefill failed")
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")

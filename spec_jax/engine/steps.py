@@ -386,8 +386,11 @@ class Engine:
     """A loaded model plus its ahead-of-time compiled executables, keyed by shape bucket."""
 
     def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None,
-                 draft=None, decode_layout: bool | None = None):
+                 draft=None, decode_layout: bool | None = None, batch_buckets: tuple[int, ...] | None = None,
+                 compiler_options: dict | None = None):
         """draft: the proposer's own network (an NNX model), if its method has one.
+        batch_buckets: the batch row counts to compile for (each <= max_num_seqs); None: powers of two.
+        compiler_options: XLA options for every executable (`jax.stages.Lowered.compile`'s).
         decode_layout: switch the target and a drafter with stacked layers to their decode layout
         (`Qwen3_5Model.use_decode_layout`, in place: every layer's weights arrays of their own, run
         unrolled); None: `default_decode_layout()`."""
@@ -398,13 +401,18 @@ class Engine:
         self.cfg: Qwen3_5Config = model.cfg
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.batch_buckets = batch_buckets
+        self.compiler_options = compiler_options
         self.cache_len = -(-max_model_len // CHUNK) * CHUNK
         self.plan = plan
         self.graphdef, self.params = nnx.split((model, draft))
         self.executables = {}
 
     def batch_bucket(self, n: int) -> int:
-        return bucket(n, 1, self.max_num_seqs)
+        """The rows a batch of n runs in: the smallest bucket that holds it, max_num_seqs at most."""
+        if self.batch_buckets is None:
+            return bucket(n, 1, self.max_num_seqs)
+        return min([b for b in self.batch_buckets if n <= b < self.max_num_seqs] + [self.max_num_seqs])
 
     def prompt_bucket(self, n: int) -> int:
         return bucket(n, CHUNK, self.cache_len)
@@ -416,7 +424,7 @@ class Engine:
         if key not in self.executables:
             t0 = time.perf_counter()
             jitted = jax.jit(self._on_params(fn), donate_argnums=tuple(i + 1 for i in donate))
-            self.executables[key] = jitted.lower(self.params, *args).compile()
+            self.executables[key] = jitted.lower(self.params, *args).compile(compiler_options=self.compiler_options)
             log.info("compiled %s for %s in %.1f s", name, describe_shapes(args), time.perf_counter() - t0)
         return self.executables[key](self.params, *args)
 
