@@ -123,7 +123,8 @@ class LLM:
             max_num_seqs = MAX_NUM_SEQS_SIZED if engine_args.gpu_memory_utilization else DEFAULT_MAX_NUM_SEQS
         check_int("max_num_seqs", max_num_seqs, 1, 4096, "must be between 1 and 4096")
         if batch_buckets is not None:
-            if isinstance(batch_buckets, (str, bytes)) or not hasattr(batch_buckets, "__iter__") or not batch_buckets:
+            if isinstance(batch_buckets, (str, bytes)) or not hasattr(batch_buckets, "__iter__") \
+                    or len(list(batch_buckets)) == 0:
                 raise ValueError(f"batch_buckets must be a non-empty list of row counts, got {batch_buckets!r}")
             for b in batch_buckets:
                 check_int("a batch bucket", b, 1, max_num_seqs, f"must be between 1 and max_num_seqs={max_num_seqs}")
