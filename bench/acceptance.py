@@ -102,8 +102,8 @@ def label(spec: dict | None) -> str:
 
 def markdown(rows: list[dict], device: str) -> str:
     lines = [f"Device: {device}. Greedy; decode tokens/s after a compile run.", "",
-             "| kind | method | acceptance rate | mean acceptance length | per position | tok/s | step ms | speedup | "
-             "bound | of bound | same output | largest divergence gap |",
+             ("| kind | method | acceptance rate | mean acceptance length | per position | tok/s | step ms | speedup | "
+              "bound | of bound | same output | largest divergence gap |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         per_pos = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", []))
