@@ -54,6 +54,20 @@ def device_memory() -> dict:
     return jax.devices()[0].memory_stats() or {}
 
 
+def checked_batch_buckets(buckets, max_num_seqs: int) -> tuple[int, ...] | None:
+    """batch_buckets as a sorted tuple (read once: a generator is fine); ValueError naming a bad one."""
+    if buckets is None:
+        return None
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+        raise ValueError(f"batch_buckets must be a non-empty list of row counts, got {buckets!r}")
+    buckets = list(buckets)
+    if not buckets:
+        raise ValueError("batch_buckets must be a non-empty list of row counts, got an empty one")
+    for b in buckets:
+        check_int("a batch bucket", b, 1, max_num_seqs, f"must be between 1 and max_num_seqs={max_num_seqs}")
+    return tuple(sorted({int(b) for b in buckets}))
+
+
 def check_compiler_options(options: dict | None) -> None:
     """ValueError naming an option XLA does not know (found by compiling a one-op program with them)."""
     if options is None:
@@ -122,13 +136,7 @@ class LLM:
         if max_num_seqs is None:  # vLLM's cap when memory sizes the batch; a small default otherwise
             max_num_seqs = MAX_NUM_SEQS_SIZED if engine_args.gpu_memory_utilization else DEFAULT_MAX_NUM_SEQS
         check_int("max_num_seqs", max_num_seqs, 1, 4096, "must be between 1 and 4096")
-        if batch_buckets is not None:
-            if isinstance(batch_buckets, (str, bytes)) or not hasattr(batch_buckets, "__iter__") \
-                    or len(list(batch_buckets)) == 0:
-                raise ValueError(f"batch_buckets must be a non-empty list of row counts, got {batch_buckets!r}")
-            for b in batch_buckets:
-                check_int("a batch bucket", b, 1, max_num_seqs, f"must be between 1 and max_num_seqs={max_num_seqs}")
-            batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
+        batch_buckets = checked_batch_buckets(batch_buckets, max_num_seqs)
         check_compiler_options(compiler_options)
         quantize_to = None if loaded is not None else check_quantization(engine_args.quantization,
                                                                            checkpoint_methods(model))
