@@ -22,9 +22,17 @@ from pallas_kernels.gdn_common import L2_EPS, prepare_qk
 # Verify passes up to k = 31 drafts run unrolled and in the kernel (DSpark's block 16 verifies
 # 17 tokens); past it the rolled scan's per-token kernels cost more than its compile saves.
 MAX_UNROLL = 32
+# On the CPU a rolled loop launches nothing per token: passes of every length ran as fast or
+# faster rolled, and compiled faster (BENCHMARKS.md, "GDN recurrence on the CPU").
+CPU_MAX_UNROLL = 1
 
 
-def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = False):
+def unroll_limit() -> int:
+    """The most tokens the reference runs unrolled on this backend."""
+    return MAX_UNROLL if jax.default_backend() == "gpu" else CPU_MAX_UNROLL
+
+
+def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = False, unroll: bool | None = None):
     """Pure-JAX recurrent gated delta rule.
 
     Args:
@@ -34,6 +42,8 @@ def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = Fals
         A padded token has g = 0 and beta = 0, which leaves the state unchanged.
       state: [B, nv, dk, dv] float32, the state before the first token.
       keep_states: also return the state after every token (what speculative rollback selects).
+      unroll: run the tokens unrolled (True) or as a loop (False); None: unrolled up to
+        `unroll_limit()` tokens.
     Returns:
       o: [B, T, nv, dv] float32; the final state [B, nv, dk, dv]; and, with keep_states,
       the per-token states [B, T, nv, dk, dv].
@@ -53,7 +63,7 @@ def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = Fals
     time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
     # Decode and verify run a handful of tokens: unrolled, XLA fuses the steps instead of
     # launching a loop iteration's kernels per token.
-    unroll = q.shape[1] <= MAX_UNROLL
+    unroll = q.shape[1] <= unroll_limit() if unroll is None else unroll
     final, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), time_major, unroll=unroll)
     o = jnp.moveaxis(o, 0, 1)
     if keep_states:
