@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pallas_kernels.quant_formats import QuantizedWeight, quantize
@@ -120,10 +120,12 @@ class Linear(nnx.Module):
         self.weight = zeros_param((*stack, d_out, d_in), dtype)
         self.bias = zeros_param((*stack, d_out), dtype) if bias else None
         self.format = None  # static: None (float weight) or a quant_matmul format
+        self.split = None  # static, under tensor parallelism: "out" (column-) or "in" (row-parallel)
+        self.shards = 1  # static: the devices it is split over
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.format is not None:
-            y = quant_matmul(x, self.quantized())
+            y = quant_matmul(x, self.quantized(), split=self.split)
         else:
             w = self.weight[...]
             y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
@@ -154,14 +156,42 @@ def fuse_linears(module: nnx.Module, names: tuple[str, ...]) -> None:
     parts = [getattr(module, n) for n in names]
     if any(p is None or p.format is not None for p in parts):
         return
+    shards = parts[0].shards  # under tensor parallelism the joined rows are grouped by device
     bias = None
     if any(p.bias is not None for p in parts):  # a part without one adds zeros
-        bias = jnp.concatenate([p.bias[...] if p.bias is not None else jnp.zeros(p.weight.shape[-2], p.weight.dtype)
-                                for p in parts], axis=-1)
-    module.fused = Linear.of(jnp.concatenate([p.weight[...] for p in parts], axis=-2), bias)
+        bias = group_by_device([p.bias[...] if p.bias is not None else jnp.zeros(p.weight.shape[-2], p.weight.dtype)
+                                for p in parts], shards, axis=-1)
+    module.fused = Linear.of(group_by_device([p.weight[...] for p in parts], shards, axis=-2), bias)
+    module.fused.split, module.fused.shards = parts[0].split, shards
     module.fused_sizes = tuple(p.weight.shape[0] for p in parts)
     for n in names:
         setattr(module, n, None)
+
+
+def split_channels(y: jax.Array, sizes: tuple[int, ...], shards: int) -> tuple[jax.Array, ...]:
+    """The parts of y [..., sum(sizes)], each [..., size] in its own order. Under tensor
+    parallelism over `shards` devices the channels come grouped by device, [part_0 of device 0 |
+    part_1 of device 0 | ... | part_0 of device 1 | ...] (`models/tensor_parallel.py`), so each
+    device's contiguous slice holds its share of every part."""
+    ends = list(np.cumsum([s // shards for s in sizes]))[:-1]
+    parts = jnp.split(y.reshape(*y.shape[:-1], shards, -1), ends, axis=-1)
+    return tuple(p.reshape(*p.shape[:-2], -1) for p in parts)
+
+
+def group_order(sizes: tuple[int, ...], shards: int) -> np.ndarray:
+    """The permutation that takes channels [part_0 | part_1 | ...] to the grouped-by-device layout."""
+    starts = np.cumsum((0, *sizes))
+    return np.concatenate([np.arange(start + d * (s // shards), start + (d + 1) * (s // shards))
+                           for d in range(shards) for start, s in zip(starts, sizes)])
+
+
+def group_by_device(parts: list[jax.Array], shards: int, axis: int) -> jax.Array:
+    """Concatenate parts along `axis` in the grouped-by-device layout, placed as parts[0] is."""
+    joined = jnp.concatenate(parts, axis=axis)
+    if shards == 1:
+        return joined
+    sizes = tuple(p.shape[axis] for p in parts)
+    return jax.device_put(jnp.take(joined, group_order(sizes, shards), axis=axis), parts[0].sharding)
 
 
 def project(module: nnx.Module, names: tuple[str, ...], x: jax.Array) -> tuple[jax.Array, ...]:
@@ -170,8 +200,7 @@ def project(module: nnx.Module, names: tuple[str, ...], x: jax.Array) -> tuple[j
     fused = getattr(module, "fused", None)
     if fused is None:
         return tuple(getattr(module, n)(x) for n in names)
-    ends = list(itertools.accumulate(module.fused_sizes))
-    return tuple(jnp.split(fused(x), ends[:-1], axis=-1))
+    return split_channels(fused(x), module.fused_sizes, fused.shards)
 
 
 def quantize_linear(linear: Linear, fmt: str) -> None:

@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, expect_json, fuse_linears, project,
-                           scan_layers, unstack_layers, zeros_param)
+from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, expect_json, fuse_linears,
+                           project, scan_layers, split_channels, unstack_layers, zeros_param)
 from pallas_kernels.expert_matmul import expert_swiglu
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
+from pallas_kernels.tensor_parallel import constrain, on_axis
 
 LINEAR, FULL = "linear_attention", "full_attention"
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -242,18 +243,24 @@ class GDNPending:
 
 
 def init_cache(cfg: Qwen3_5Config, batch: int, max_len: int, dtype) -> ModelCache:
-    """Empty caches for `batch` rows of up to `max_len` tokens."""
+    """Empty caches for `batch` rows of up to `max_len` tokens; under a tensor-parallel mesh
+    split by head (KV heads, conv channels, GDN value heads) as the weights that fill them are."""
     G = cfg.num_groups
     out = []
     for kind in cfg.pattern:
         if kind == FULL:
-            shape = (G, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-            out.append(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+            out.append(kv_cache((G, batch, max_len, cfg.num_key_value_heads, cfg.head_dim), dtype))
         else:
             conv = jnp.zeros((G, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
             state_shape = (G, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-            out.append(GDNCache(conv, jnp.zeros(state_shape, jnp.float32)))
+            out.append(GDNCache(constrain(conv, on_axis(4, 3)), constrain(jnp.zeros(state_shape, jnp.float32),
+                                                                         on_axis(5, 2))))
     return tuple(out)
+
+
+def kv_cache(shape: tuple[int, ...], dtype) -> KVCache:
+    """Zero keys and values [G, B, L, kv_heads, head_dim], split by KV head under tensor parallelism."""
+    return KVCache(*(constrain(jnp.zeros(shape, dtype), on_axis(5, 3)) for _ in range(2)))
 
 
 # ----------------------------------------------------------------------------- layers
@@ -302,6 +309,7 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = zeros_param((*stack, nv), jnp.float32)
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, stack=stack)
         self.out_proj = Linear(cfg.value_dim, H, stack=stack, dtype=dtype)
+        self.shards = 1  # static: tensor-parallel devices, over which the conv channels come grouped
 
     def __call__(self, x, batch: Batch, cache: GDNCache, g, kv_len: int, rollback=None):
         """x: [B, T, H]; continues repeat g's conv window and state. Chunked when T >= 64,
@@ -323,9 +331,8 @@ class GatedDeltaNet(nnx.Module):
         seq = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
         w = self.conv1d[...][:, 0, :]  # [C, K]
         u = jax.nn.silu(sum(seq[:, s : s + T] * w[:, s] for s in range(K)))
-        q = u[..., :key_dim].reshape(B, T, nk, dk)
-        k = u[..., key_dim : 2 * key_dim].reshape(B, T, nk, dk)
-        v = u[..., 2 * key_dim :].reshape(B, T, nv, dv)
+        q, k, v = split_channels(u, (key_dim, key_dim, nv * dv), self.shards)
+        q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
         valid = batch.valid_for(T)[..., None]
         beta = jnp.where(valid, jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
         a = a.astype(jnp.float32)
@@ -494,8 +501,7 @@ class MTPHead(nnx.Module):
 
 
 def init_mtp_cache(cfg: Qwen3_5Config, batch: int, max_len: int, dtype) -> KVCache:
-    shape = (1, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return kv_cache((1, batch, max_len, cfg.num_key_value_heads, cfg.head_dim), dtype)
 
 
 class Qwen3_5Model(nnx.Module):
@@ -511,6 +517,7 @@ class Qwen3_5Model(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.mtp = MTPHead(cfg, dtype=dtype) if cfg.mtp_num_hidden_layers else None
+        self.shards = 1  # static: tensor-parallel devices (`models/tensor_parallel.py`)
 
     def use_decode_layout(self) -> None:
         """Switch to the decode layout: every layer's weights (and the MTP block's) become arrays

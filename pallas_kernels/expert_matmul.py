@@ -25,6 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.tensor_parallel import TP, on_axis, per_device, tp_size
 
 
 def expert_swiglu_reference(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array,
@@ -153,7 +156,22 @@ def kernel_fits(gate_up: jax.Array, down: jax.Array, tiling: Tiling = Tiling()) 
 
 def expert_swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array,
                   weights: jax.Array) -> jax.Array:
-    """Dispatcher for routed experts (see `expert_swiglu_reference` for the shapes)."""
+    """Dispatcher for routed experts (see `expert_swiglu_reference` for the shapes). Under a
+    tensor-parallel mesh every device holds a slice of every expert's inner dimension (gate_up's
+    rows grouped by device: [gate_d | up_d] per device d): it runs its slice on every token and
+    the partial outputs are summed across devices."""
+    if tp_size() == 1:
+        return _expert_swiglu_local(x, gate_up, down, ids, weights)
+
+    def partial_sum(x, gate_up, down, ids, weights):
+        return jax.lax.psum(_expert_swiglu_local(x, gate_up, down, ids, weights), TP)
+
+    whole = P()
+    return per_device(partial_sum, (whole, on_axis(3, 1), on_axis(3, 2), whole, whole), whole)(
+        x, gate_up, down, ids, weights)
+
+
+def _expert_swiglu_local(x, gate_up, down, ids, weights):
     if ids.size > KERNEL_MAX_PAIRS:
         return expert_swiglu_grouped(x, gate_up, down, ids, weights)
     if jax.default_backend() == "gpu" and kernel_fits(gate_up, down):

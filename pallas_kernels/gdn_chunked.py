@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.gdn_common import inverse_norm, l2norm, prepare_qk
 from pallas_kernels.gdn_recurrent import next_pow2
+from pallas_kernels.tensor_parallel import on_axis, per_device
 
 CHUNK = 64
 
@@ -264,7 +265,13 @@ def gdn_chunked(q, k, v, g, beta, state):
     v's dtype, as HF's and flash-linear-attention's do): on a GPU the Pallas kernels, the
     reference elsewhere. A bfloat16 model's dots read bfloat16 operands, as flash-linear-
     attention's do; a float32 model keeps float32 operands (TF32x3). Measured against FLA in
-    BENCHMARKS.md."""
+    BENCHMARKS.md. Under a tensor-parallel mesh, per device on its heads (as `gdn_recurrent`)."""
+    heads, gates, state_spec = on_axis(4, 2), on_axis(3, 2), on_axis(4, 1)
+    return per_device(_gdn_chunked_local, (heads, heads, heads, gates, gates, state_spec),
+                      (heads, state_spec))(q, k, v, g, beta, state)
+
+
+def _gdn_chunked_local(q, k, v, g, beta, state):
     if jax.default_backend() == "gpu" and kernel_fits(q, v):
         operands = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
         return gdn_chunked_pallas(q, k, v, g, beta, state, operands=operands, out_dtype=v.dtype)

@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.gdn_common import L2_EPS, prepare_qk
+from pallas_kernels.tensor_parallel import on_axis, per_device
 
 # Verify passes up to k = 31 drafts run unrolled and in the kernel (DSpark's block 16 verifies
 # 17 tokens); past it the rolled scan's per-token kernels cost more than its compile saves.
@@ -148,7 +149,16 @@ KERNEL_MIN_TOKENS = 4
 
 def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
     """Dispatcher for the recurrent gated delta rule (see `gdn_recurrent_reference`): the Pallas
-    kernel on a GPU where it measured faster, the reference otherwise."""
+    kernel on a GPU where it measured faster, the reference otherwise; under a tensor-parallel
+    mesh, per device on the heads it holds (value head j reads key head j // (nv // nk), so a
+    device holding a contiguous block of both has all it needs)."""
+    heads, gates, state_spec = on_axis(4, 2), on_axis(3, 2), on_axis(4, 1)
+    out_specs = (heads, state_spec) + ((on_axis(5, 2),) if keep_states else ())
+    local = functools.partial(_gdn_recurrent_local, keep_states=keep_states)
+    return per_device(local, (heads, heads, heads, gates, gates, state_spec), out_specs)(q, k, v, g, beta, state)
+
+
+def _gdn_recurrent_local(q, k, v, g, beta, state, *, keep_states: bool):
     wins = q.shape[1] >= KERNEL_MIN_TOKENS and not keep_states
     if jax.default_backend() == "gpu" and wins and kernel_fits(q, v):
         return gdn_recurrent_pallas(q, k, v, g, beta, state, keep_states=keep_states)

@@ -22,11 +22,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import nvfp4_gemv_mosaic, nvfp4_mma_mosaic
 from pallas_kernels.quant_formats import (BLOCK, E2M1_SHRINK, E5M2_E2M1_MASK, FP8, GROUP, VALUES_PER_WORD, X_PAIR_VALUES,
                                           X_TOP_EXPONENT, QuantizedWeight, decode_e2m1, nvfp4_decode_ptx, nvfp4_sum_ptx,
                                           quant_matmul_reference, unpack_e2m1)
+from pallas_kernels.tensor_parallel import TP, on_axis, per_device, tp_size
 
 
 # ----------------------------------------------------------------------------- quantize / dequantize
@@ -576,11 +578,28 @@ def nvfp4_mosaic_matmul(x: jax.Array, w: QuantizedWeight, sm_count: int, tuned: 
     return None if tiling is None else kernel(x, w.data, w.scale, w.global_scale, tiling=tiling)
 
 
-def quant_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+def quant_matmul(x: jax.Array, w: QuantizedWeight, *, split: str | None = None) -> jax.Array:
     """Dispatcher: x [..., K] -> [..., N]. On a GPU for up to 64 rows a Pallas kernel: bf16 rows of an
     NVFP4 weight on a GPU with TMA take a Mosaic GPU kernel where one has a measured tiling (one or two
     rows the f16x2 GEMV, up to 16 the tensor-core one), everything else the Triton kernel; the
-    dequantize-then-dot reference elsewhere."""
+    dequantize-then-dot reference elsewhere.
+
+    split: how a tensor-parallel mesh divides the weight: "out" (column-parallel: each device its
+    output channels, x whole), "in" (row-parallel: each device its slice of K, x split alike, the
+    partial products summed across devices) or None (replicated)."""
+    if split is None or tp_size() == 1:
+        return _quant_matmul_local(x, w)
+    axis = 0 if split == "out" else 1
+    per_row = w.format in ("int8", "fp8")  # one scale per output channel: [N]
+    scale = (on_axis(1, 0) if split == "out" else P()) if per_row else on_axis(2, axis)
+    w_spec = QuantizedWeight(on_axis(2, axis), scale, None if w.global_scale is None else P(), w.format)
+    if split == "out":
+        return per_device(_quant_matmul_local, (P(), w_spec), on_axis(x.ndim, -1))(x, w)
+    summed = lambda x, w: jax.lax.psum(_quant_matmul_local(x, w), TP)  # noqa: E731
+    return per_device(summed, (on_axis(x.ndim, -1), w_spec), P())(x, w)
+
+
+def _quant_matmul_local(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     flat = x.reshape(-1, x.shape[-1])
     gpu = jax.default_backend() == "gpu"
     device = jax.devices()[0]

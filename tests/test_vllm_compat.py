@@ -36,8 +36,8 @@ def test_arguments_that_mean_nothing_here_are_accepted_and_said_once(tiny_dir, m
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2: tensor parallelism is not built yet; .* \(use 1\)"),
-    ({"pipeline_parallel_size": 4}, r"pipeline_parallel_size=4"),
+    ({"pipeline_parallel_size": 4}, r"pipeline_parallel_size=4: pipeline parallelism is not built; .* \(use 1\)"),
+    ({"data_parallel_size": 2}, r"data_parallel_size=2: data parallelism is not built"),
     ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' is not supported; accepted: 'auto'"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization=1.5 must be a fraction in \(0, 1\]"),
     ({"quantization": "awq"}, r"quantization='awq' is not supported; accepted: None, 'fp8', 'modelopt'"),

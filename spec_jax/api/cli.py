@@ -19,7 +19,7 @@ VLLM_FLAGS = {
     "gpu_memory_utilization": dict(type=float, help="size --max-num-seqs to this share of device memory beside the "
                                                     "weights"),
     "quantization": dict(help="'fp8': quantize the projections as they load"),
-    "tensor_parallel_size": dict(type=int, help="1 (one device)"),
+    "tensor_parallel_size": dict(type=int, help="devices to split the model over (default 1)"),
     "kv_cache_dtype": dict(help="auto"),
     **{name: dict(action="store_true", help="accepted and ignored") for name in (
         "enforce_eager", "trust_remote_code", "enable_prefix_caching", "enable_chunked_prefill", "disable_log_stats")},

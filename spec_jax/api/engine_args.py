@@ -26,7 +26,7 @@ IGNORED = {
     "trust_remote_code": "the Qwen3.5/3.6 architectures are built in; no code from the checkpoint is run",
     "swap_space": "each row's caches live on the device for its whole request; nothing is swapped",
     "cpu_offload_gb": "weights are not offloaded to the host",
-    "disable_custom_all_reduce": "one device, no all-reduce",
+    "disable_custom_all_reduce": "XLA's collectives do the all-reduce; there is no custom one to turn off",
     "disable_log_stats": "the engine keeps no periodic stats log",
     "enable_chunked_prefill": "prompts are prefilled whole (the GDN kernel chunks them internally)",
     "max_num_batched_tokens": "prompts are prefilled whole; batches are sized by max_num_seqs",
@@ -39,7 +39,7 @@ IGNORED = {
     "load_format": "the format is detected from the files",
     "compilation_config": "XLA compiles every program; there is no separate compilation level",
     "max_seq_len_to_capture": "there are no CUDA graphs",
-    "distributed_executor_backend": "one process on one device",
+    "distributed_executor_backend": "one process drives every device of the mesh (jax.distributed across hosts)",
     "hf_token": "checkpoints are read from local files",
     "enable_prefix_caching": "prefix caching is not built yet: every prompt is prefilled in full",
     "disable_log_requests": "requests are not logged",
@@ -48,10 +48,10 @@ IGNORED = {
     "max_logprobs": "a request may ask for up to 20 logprobs (vLLM's default), a fixed cap",
 }
 
-# Parallelism vLLM offers over several devices: only 1 is accepted here.
+# Parallelism vLLM offers over several devices that is not built here: only 1 is accepted
+# (tensor parallelism is `LLM`'s own `tensor_parallel_size`).
 SINGLE_DEVICE = {
-    "tensor_parallel_size": "tensor parallelism is not built yet",
-    "pipeline_parallel_size": "pipeline parallelism is not built",
+    "pipeline_parallel_size": "pipeline parallelism is not built; use tensor_parallel_size",
     "data_parallel_size": "data parallelism is not built: run one LLM per device",
 }
 
@@ -92,7 +92,7 @@ def resolve(kwargs: dict) -> EngineArgs:
                 say_ignored(name, value)
         elif name in SINGLE_DEVICE:
             if value not in (None, 1):
-                raise ValueError(f"{name}={value!r}: {SINGLE_DEVICE[name]}; spec_jax runs on one device (use 1)")
+                raise ValueError(f"{name}={value!r}: {SINGLE_DEVICE[name]} (use 1)")
         elif name in DEFAULTS_ONLY:
             if value not in (None, *DEFAULTS_ONLY[name]):
                 accepted = " or ".join(repr(v) for v in DEFAULTS_ONLY[name])

@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from models.qwen3_5 import CHUNK, ROLLBACKS, Qwen3_5Model
+from models.tensor_parallel import make_mesh, shard_model
 from proposers.registry import build_proposer, target_drafter
 from spec_jax.api.batching import assemble_batch, proposer_reference, reference_shape
 from spec_jax.api.engine_args import check_quantization, checkpoint_methods
@@ -103,6 +104,9 @@ class LLM:
       rollback: how GDN state returns to the accepted prefix after a verify pass: "checkpoint"
         (keep the state after every verified token and select) or "replay" (keep the delta-rule
         inputs and re-run the accepted prefix). See BENCHMARKS.md for which is faster.
+      tensor_parallel_size: devices to split the target over (a 1-D mesh; heads, MLP and expert
+        channels and the vocabulary divided among them, `models/tensor_parallel.py`); the drafters
+        are copied whole to each. Must divide the head counts and the MLP width.
       **kwargs: vLLM's other engine arguments (`engine_args`): `gpu_memory_utilization` sizes
         max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
         or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
@@ -112,8 +116,10 @@ class LLM:
     def __init__(self, model: str | Qwen3_5Model | None = None, *, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int | None = None,
                  batch_buckets: Sequence[int] | None = None, compiler_options: dict | None = None, seed: int = 0,
-                 speculative_config=None, tokenizer: str | None = None, rollback: str = "replay", **kwargs):
+                 speculative_config=None, tokenizer: str | None = None, rollback: str = "replay",
+                 tensor_parallel_size: int = 1, **kwargs):
         engine_args = resolve_engine_args(kwargs)
+        self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         if model is None:
             model = str(default_model_dir())
         if isinstance(model, Path):
@@ -146,12 +152,14 @@ class LLM:
         enable_compilation_cache()
         self.model_path = model
         t0 = time.perf_counter()
-        self.model, self.cfg = (loaded, loaded.cfg) if loaded is not None else load_model(model, dtype)
+        self.model, self.cfg = (loaded, loaded.cfg) if loaded is not None else load_model(model, dtype, mesh=self.mesh)
         if loaded is None:
             log.info("loaded %s (%s, %d layers, %s) in %.1f s; each new batch or prompt size compiles once",
                      model, self.cfg.model_type, self.cfg.num_hidden_layers, dtype, time.perf_counter() - t0)
         if quantize_to is not None:
             quantize_projections(self.model, quantize_to)
+        if self.mesh is not None:
+            shard_model(self.model, self.mesh)  # a model passed in, or projections quantized after loading
         limit = self.cfg.max_position_embeddings
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit) if max_model_len is None else max_model_len
         if not 2 <= max_model_len <= limit:
@@ -201,7 +209,8 @@ class LLM:
                                                   spec.num_speculative_tokens, rollback,
                                                   spec.draft_sample_method == "probabilistic")
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
-                             draft=draft, batch_buckets=batch_buckets, compiler_options=self.compiler_options)
+                             draft=draft, batch_buckets=batch_buckets, compiler_options=self.compiler_options,
+                             mesh=self.mesh)
 
     def _size_batch(self, utilization: float, *, explicit: bool) -> None:
         """vLLM's gpu_memory_utilization: the rows of caches that fit in that share of the device's
@@ -503,7 +512,7 @@ class LLM:
         if getattr(self, "_plain_engine", None) is None:
             self._plain_engine = Engine(self.model, max_model_len=self.max_model_len,
                                         max_num_seqs=self.engine.max_num_seqs, batch_buckets=self.engine.batch_buckets,
-                                        compiler_options=self.compiler_options)
+                                        compiler_options=self.compiler_options, mesh=self.mesh)
         return self._plain_engine
 
     def _run_batch(self, ids, params) -> list[tuple[CompletionOutput, dict]]:

@@ -13,6 +13,7 @@ A call with a new (B, T, sampling) bucket compiles once; the docstrings say whic
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -25,9 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from models.layers import Batch
 from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Config, Qwen3_5Model, init_cache
+from models.tensor_parallel import replicate
 from proposers import Proposer
 from proposers.oracle import SyntheticAcceptance
 from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic, draw,
@@ -387,13 +390,15 @@ class Engine:
 
     def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None,
                  draft=None, decode_layout: bool | None = None, batch_buckets: tuple[int, ...] | None = None,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, mesh: Mesh | None = None):
         """draft: the proposer's own network (an NNX model), if its method has one.
         batch_buckets: the batch row counts to compile for (each <= max_num_seqs); None: powers of two.
         compiler_options: XLA options for every executable (`jax.stages.Lowered.compile`'s).
         decode_layout: switch the target and a drafter with stacked layers to their decode layout
         (`Qwen3_5Model.use_decode_layout`, in place: every layer's weights arrays of their own, run
-        unrolled); None: `default_decode_layout()`."""
+        unrolled); None: `default_decode_layout()`.
+        mesh: the tensor-parallel mesh the target was sharded over (`models.tensor_parallel`);
+        every program is compiled over it and the drafter's weights are copied to each device."""
         if default_decode_layout() if decode_layout is None else decode_layout:
             for network in (model, draft):
                 if hasattr(network, "use_decode_layout"):
@@ -405,7 +410,10 @@ class Engine:
         self.compiler_options = compiler_options
         self.cache_len = -(-max_model_len // CHUNK) * CHUNK
         self.plan = plan
+        self.mesh = mesh
         self.graphdef, self.params = nnx.split((model, draft))
+        if mesh is not None:
+            self.params = replicate(self.params, mesh)
         self.executables = {}
 
     def batch_bucket(self, n: int) -> int:
@@ -424,9 +432,15 @@ class Engine:
         if key not in self.executables:
             t0 = time.perf_counter()
             jitted = jax.jit(self._on_params(fn), donate_argnums=tuple(i + 1 for i in donate))
-            self.executables[key] = jitted.lower(self.params, *args).compile(compiler_options=self.compiler_options)
+            with self.on_mesh():
+                lowered = jitted.lower(self.params, *args)
+            self.executables[key] = lowered.compile(compiler_options=self.compiler_options)
             log.info("compiled %s for %s in %.1f s", name, describe_shapes(args), time.perf_counter() - t0)
         return self.executables[key](self.params, *args)
+
+    def on_mesh(self):
+        """The context programs are traced in: the tensor-parallel mesh, if any."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _on_params(self, fn):
         """fn(model, draft, *a) as a function of the split parameters: run(params, *a)."""
@@ -443,8 +457,9 @@ class Engine:
         """Device bytes of the `DecodeState` a prefill of these one-row arguments returns (caches,
         proposer state, token buffer): what each further batch row costs. Traced, not compiled or run."""
         fn = partial(prefill, cache_len=self.cache_len, do_sample=False, plan=self.plan)
-        state = jax.eval_shape(self._on_params(fn), self.params, prompts, prompt_lengths, max_lengths, stop_ids,
-                               sampling, done, speculate, reference)
+        with self.on_mesh():
+            state = jax.eval_shape(self._on_params(fn), self.params, prompts, prompt_lengths, max_lengths, stop_ids,
+                                   sampling, done, speculate, reference)
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
                    if hasattr(leaf, "dtype") and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 

@@ -6,22 +6,37 @@ from __future__ import annotations
 
 import os
 
+from jax.sharding import Mesh
+
+from models.tensor_parallel import check_divisible, placement, shard_model
 from spec_jax.loading.gguf import find_gguf, load_gguf
 from spec_jax.loading.orbax import is_converted, restore
 from spec_jax.loading.safetensors import load_params
+from pallas_kernels.tensor_parallel import TP
 from spec_jax.loading.source import CheckpointError, load_config, resolve_dtype
 
 __all__ = ["CheckpointError", "load_config", "load_model"]
 
 
-def load_model(model_dir: str | os.PathLike, dtype="float32", *, progress: bool | None = None):
+def load_model(model_dir: str | os.PathLike, dtype="float32", *, progress: bool | None = None,
+               mesh: Mesh | None = None):
     """Config + weights: returns (Qwen3_5Model, Qwen3_5Config). A directory written by
     `spec-jax convert` is restored with Orbax instead of converted again; a `.gguf` file (or a
-    directory holding one and no safetensors) is read by `loading.gguf`."""
+    directory holding one and no safetensors) is read by `loading.gguf`.
+
+    mesh: a tensor-parallel mesh (`models.tensor_parallel.make_mesh`) to split the model over as
+    it loads: each device receives only its slices (Orbax restores them directly)."""
+    place = placement(mesh) if mesh is not None else None
     gguf_file = find_gguf(model_dir)
     if gguf_file is not None:
-        return load_gguf(gguf_file, resolve_dtype(dtype), progress=progress)
-    if is_converted(model_dir):
-        return restore(model_dir, dtype if isinstance(dtype, str) else None)
-    cfg = load_config(model_dir)
-    return load_params(model_dir, cfg, resolve_dtype(dtype), progress=progress)
+        model, cfg = load_gguf(gguf_file, resolve_dtype(dtype), progress=progress, placement=place)
+    elif is_converted(model_dir):
+        model, cfg = restore(model_dir, dtype if isinstance(dtype, str) else None, mesh=mesh)
+    else:
+        cfg = load_config(model_dir)
+        if mesh is not None:
+            check_divisible(cfg, mesh.shape[TP])  # before reading any weight
+        model, cfg = load_params(model_dir, cfg, resolve_dtype(dtype), progress=progress, placement=place)
+    if mesh is not None:
+        shard_model(model, mesh)  # regroups what Orbax restored; the streamed formats are in place already
+    return model, cfg

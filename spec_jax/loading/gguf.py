@@ -307,12 +307,14 @@ class GGUFSource:
         return self.get(name) if self.names_for(name) is not None else read_tensor(self, name, self.cfg)
 
 
-def load_gguf(path: str | os.PathLike, dtype, *, progress: bool | None = None):
-    """A GGUF target -> (Qwen3_5Model, Qwen3_5Config); dtype as in `checkpoint.load_params`."""
+def load_gguf(path: str | os.PathLike, dtype, *, progress: bool | None = None, placement=None):
+    """A GGUF target -> (Qwen3_5Model, Qwen3_5Config); dtype and placement as in
+    `safetensors.load_params`."""
     src = GGUFSource(path)
     cfg = src.cfg
     model = fill_params(lambda: Qwen3_5Model(cfg, dtype=dtype), src,
-                        lambda p: (param_sources(p, cfg), is_stacked(p)), src.read, progress=progress)
+                        lambda p: (param_sources(p, cfg), is_stacked(p)), src.read, progress=progress,
+                        placement=placement)
     return model, cfg
 
 

@@ -13,10 +13,13 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from models.layers import quantize_linears
 from models.qwen3_5 import Qwen3_5Model
+from models.tensor_parallel import check_divisible, param_spec
 from pallas_kernels.quant_formats import E2M1_BITS, nvfp4_from_modelopt
+from pallas_kernels.tensor_parallel import TP
 from spec_jax.loading.source import CheckpointError, load_config, read_json, resolve_dtype
 
 MARKER = "spec_jax.json"
@@ -44,9 +47,11 @@ def check_file_sizes(model_dir: Path, marker: dict) -> None:
                                   f"is damaged; convert the model again")
 
 
-def restore(model_dir: str | os.PathLike, dtype: str | None = None):
+def restore(model_dir: str | os.PathLike, dtype: str | None = None, *, mesh: Mesh | None = None):
     """A converted directory -> (Qwen3_5Model, Qwen3_5Config), restored in the dtype it was saved
-    in and cast if another is asked for."""
+    in and cast if another is asked for. With a tensor-parallel mesh each device restores only its
+    slice of each parameter (split as `models.tensor_parallel.param_spec` says; the checkpoint's
+    channel layout, which `shard_model` then regroups)."""
     model_dir = Path(model_dir)
     marker = read_json(model_dir / MARKER)
     if marker.get("format") != "orbax":
@@ -63,6 +68,8 @@ def restore(model_dir: str | os.PathLike, dtype: str | None = None):
     saved = resolve_dtype(marker.get("dtype", "float32"))
     graphdef, state = abstract(saved)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
+    if mesh is not None:
+        shapes = restore_targets(shapes, formats, cfg, mesh)
     check_file_sizes(model_dir, marker)
     try:
         params = ocp.StandardCheckpointer().restore((model_dir / "params").absolute(), shapes)
@@ -75,6 +82,19 @@ def restore(model_dir: str | os.PathLike, dtype: str | None = None):
     nvfp4_bytes_as_saved(params, formats, marker, model_dir)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state), cfg
+
+
+def restore_targets(shapes: dict, formats: dict[tuple, str], cfg, mesh: Mesh) -> dict:
+    """The restore targets `shapes` (pure dict of ShapeDtypeStructs) with each parameter's
+    tensor-parallel sharding, so Orbax reads every device's slice straight onto it."""
+    check_divisible(cfg, mesh.shape[TP])
+    flat = jax.tree_util.tree_flatten_with_path(shapes)
+    leaves = []
+    for keypath, x in flat[0]:
+        path = tuple(k.key for k in keypath)
+        spec = param_spec(path, len(x.shape), formats.get(path[:-1]), cfg, mesh.shape[TP])
+        leaves.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)))
+    return jax.tree.unflatten(flat[1], leaves)
 
 
 def nvfp4_bytes_as_saved(params: dict, formats: dict[tuple, str], marker: dict, model_dir: Path) -> None:

@@ -11,10 +11,12 @@ from spec_jax.loading.quantized import QuantizedSource, read_quant_scheme
 from spec_jax.loading.source import TensorSource, fill_params, is_stacked, param_sources, read_tensor
 
 
-def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, progress: bool | None = None):
+def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, progress: bool | None = None,
+                placement=None):
     """Load a Qwen3.5/3.6/Next checkpoint into a `Qwen3_5Model`.
 
     dtype: compute dtype of the weights (norm weights, A_log and dt_bias stay float32).
+    placement: where each parameter goes as it is read (`fill_params`'s; None: the default device).
     Returns (model, cfg); cfg loses its MTP head when the checkpoint has no `mtp.*` tensors.
     FP8 and NVFP4 checkpoints keep their quantized projections quantized (`loading.quantized`).
     """
@@ -32,5 +34,5 @@ def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, prog
         make_model = src.keep_quantized(make_model, cfg)
     model = fill_params(make_model, src,
                         lambda path: (param_sources(path, cfg), is_stacked(path)),
-                        lambda name: read_tensor(src, name, cfg), progress=progress)
+                        lambda name: read_tensor(src, name, cfg), progress=progress, placement=placement)
     return model, cfg

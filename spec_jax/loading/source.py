@@ -265,16 +265,20 @@ def param_sources(path: tuple, cfg: Qwen3_5Config) -> list[str]:
     return [hf_name(path, None)]
 
 
-def fill_params(make_model, src: TensorSource, sources, read=None, *, progress: bool | None = None):
+def fill_params(make_model, src: TensorSource, sources, read=None, *, progress: bool | None = None, placement=None):
     """Build `make_model()` abstractly and fill every parameter from `src`.
 
     sources(path) -> (HF names, stacked): the tensors making up the parameter at `path` (pure-dict
     keys) and whether they stack along a new leading axis. read(name) reads one tensor (default
-    `src.get`). Shows a progress bar past 256 MiB unless `progress` says otherwise. Raises
+    `src.get`). placement(abstract model) -> place(path, host array) puts each parameter on the
+    devices (default: the default device; `models.tensor_parallel.placement` splits it over a
+    mesh). Shows a progress bar past 256 MiB unless `progress` says otherwise. Raises
     CheckpointError naming the first missing tensor or wrong shape.
     """
     read = read or src.get
-    graphdef, state = nnx.split(nnx.eval_shape(make_model))
+    abstract = nnx.eval_shape(make_model)
+    place = placement(abstract) if placement is not None else lambda path, value: jax.device_put(value)
+    graphdef, state = nnx.split(abstract)
     leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
     total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for _, x in leaves)
     show = progress if progress is not None else total > PROGRESS_BAR_BYTES
@@ -293,7 +297,7 @@ def fill_params(make_model, src: TensorSource, sources, read=None, *, progress: 
                     )
                 parts.append(checked_values(name, np.asarray(arr), want.dtype).astype(want.dtype))
             value = np.stack(parts) if stacked else parts[0]
-            set_path(loaded, path, jax.device_put(value))
+            set_path(loaded, path, place(path, value))
             bar.update(value.nbytes)
     nnx.replace_by_pure_dict(state, loaded)
     return nnx.merge(graphdef, state)

@@ -1,0 +1,26 @@
+"""Tensor parallelism: the multi-device checks (tensor_parallel_cases.py) in a process with four
+CPU devices, and what one device can check here."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spec_jax import LLM
+
+CASES = Path(__file__).parent / "tensor_parallel_cases.py"
+
+
+def test_on_four_cpu_devices():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)], env=env,
+                         cwd=CASES.parent.parent, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+
+
+def test_more_devices_than_there_are_is_refused(tiny_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must be an integer from 1 to the 1 cpu device"):
+        LLM(str(tiny_dir), tensor_parallel_size=2, max_model_len=64)
