@@ -20,7 +20,7 @@ demo: $(STAMP)
 		--speculative-config '{"method":"eagle3","model":"spec_jax/assets/default/eagle3","num_speculative_tokens":3}'
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV)
