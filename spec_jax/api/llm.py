@@ -158,8 +158,8 @@ class LLM:
                      model, self.cfg.model_type, self.cfg.num_hidden_layers, dtype, time.perf_counter() - t0)
         if quantize_to is not None:
             quantize_projections(self.model, quantize_to)
-        if self.mesh is not None:
-            shard_model(self.model, self.mesh)  # a model passed in, or projections quantized after loading
+        if self.mesh is not None and (loaded is not None or quantize_to is not None):
+            shard_model(self.model, self.mesh)  # load_model placed what it loaded; these arrays are new
         limit = self.cfg.max_position_embeddings
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit) if max_model_len is None else max_model_len
         if not 2 <= max_model_len <= limit:
