@@ -1,10 +1,10 @@
 """N-gram (prompt-lookup) drafting, vLLM's rule, on device.
 
 Each row looks up its own last n tokens earlier in its own context and proposes what came
-after. vLLM does this on the CPU with a capped KMP scan over the reversed tokens; here it is a
-`lax.fori_loop` over the offset j < n_max with one shifted [B, L] comparison per step, so the
-whole thing is jittable with fixed shapes, O(B * L) live memory, and a trace that does not grow
-with the window.
+after. vLLM does this on the CPU with a capped KMP scan over the reversed tokens; here it is one
+shifted [B, L] comparison per offset j < n_max, unrolled (the window is a few tokens), so the
+shifts are static slices XLA fuses with the comparisons into a few elementwise passes: fixed
+shapes, O(B * L) live memory, no gather over the buffer.
 
 Let p be the END of a candidate occurrence (its last token). The occurrence of length n that
 ends at p equals the row's suffix iff tokens[p - j] == tokens[len - 1 - j] for every j < n,
@@ -45,20 +45,18 @@ def ngram_propose(
     pos = jnp.arange(L, dtype=jnp.int32)[None, :]  # candidate end p
     last = lengths[:, None] - 1
 
-    def extend(j, carry):
-        match, best_end, found = carry
+    # An occurrence ending at p must end before the suffix's last token: p <= len - 2. No
+    # occurrence is longer than the buffer, so the window stops there.
+    match = pos <= last - 1
+    best_end, found = jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool)
+    for j in range(min(n_max, L)):
         suffix_tok = jnp.take_along_axis(tokens, jnp.maximum(last - j, 0), axis=1)  # [B, 1]
-        shifted = jnp.take_along_axis(tokens, jnp.broadcast_to(jnp.maximum(pos - j, 0), (B, L)), axis=1)
-        match = match & (pos >= j) & (shifted == suffix_tok)  # shifted[:, p] = tokens[:, p - j]
+        shifted = jnp.pad(tokens, ((0, 0), (j, 0)))[:, :L]  # shifted[:, p] = tokens[:, p - j]
+        match = match & (pos >= j) & (shifted == suffix_tok)
         # A longer n = j + 1 overrides; the first True is the earliest end, hence earliest start.
         hit = match.any(axis=1) & (j + 1 >= n_min)
         best_end = jnp.where(hit, jnp.argmax(match, axis=1).astype(jnp.int32), best_end)
-        return match, best_end, found | hit
-
-    # An occurrence ending at p must end before the suffix's last token: p <= len - 2. No
-    # occurrence is longer than the buffer, so the window stops there.
-    init = (pos <= last - 1, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
-    _, best_end, found = jax.lax.fori_loop(0, min(n_max, L), extend, init)
+        found = found | hit
 
     start = best_end + 1  # first token after the occurrence (i + n)
     n_draft = jnp.where(found, jnp.minimum(k, lengths - start), 0).astype(jnp.int32)
