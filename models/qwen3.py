@@ -155,6 +155,8 @@ def init_qwen3_cache(cfg: Qwen3Config, batch: int, max_len: int, dtype) -> KVCac
 class Qwen3Model(nnx.Module):
     """Embedding, the stacked decoder layers, final norm and lm_head (None when tied)."""
 
+    rolls_back_by_length = True  # attention only: a row's length decides what is read
+
     def __init__(self, cfg: Qwen3Config, *, dtype=jnp.float32):
         self.cfg = cfg
         self.dtype = dtype

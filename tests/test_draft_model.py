@@ -50,21 +50,47 @@ def test_partial_acceptance_in_a_mixed_batch(tiny_llm, near_copy, plain_greedy, 
     assert outs[1].metrics["num_draft_tokens"] == 0
 
 
+def assert_draft_cache_is_a_prefill(llm, draft_state, tokens, upto: int) -> None:
+    """Row 0 of the draft's caches equals a fresh prefill of its first `upto` tokens (KV compared
+    at those slots only: attention reads no further)."""
+    _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    fresh = draft.init_cache(1, llm.engine.cache_len)
+    fresh = draft(tokens[:1, :upto], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([upto])), fresh,
+                  kv_len=upto).cache
+    for g, w in zip(jax.tree.leaves(draft_state.cache), jax.tree.leaves(fresh)):
+        if g.ndim == 5 and g.shape[2] == llm.engine.cache_len:
+            g, w = g[:, :1, :upto], w[:, :, :upto]
+        assert float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) < 1e-5
+
+
 def test_the_drafts_caches_end_at_the_accepted_prefix(tiny_llm, near_copy):
+    """A draft with GDN layers keeps the caches of its first pass: every committed token but the newest."""
     llm = tiny_llm.with_speculation(spec(near_copy, 3))
     state, do_sample, _ = llm.start_batch(prompts()[2:], [GREEDY], rows=1)  # the state read below: one row
     state = llm.engine.decode(state, 5, do_sample)
     assert 0 < int(state.stats.accepted[0]) < 15
     n = int(state.lengths[0])
-    _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
-    fresh = draft.init_cache(1, llm.engine.cache_len)
-    fresh = draft(state.tokens[:, : n - 1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])), fresh,
-                  kv_len=n - 1).cache
-    for got, want in zip(state.proposer.cache, fresh):
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            if g.ndim == 5 and g.shape[2] == llm.engine.cache_len:  # KV: the committed slots only
-                g, w = g[:, :, : n - 1], w[:, :, : n - 1]
-            assert float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) < 1e-5
+    assert int(state.proposer.fed[0]) == n - 1
+    assert_draft_cache_is_a_prefill(llm, state.proposer, state.tokens, n - 1)
+
+
+def test_an_attention_only_draft_keeps_its_drafting_cache(tiny_llm):
+    """A Qwen3 draft keeps the KV it wrote while drafting: below `fed` it equals a fresh prefill
+    of the committed tokens, and fed trails the length by one token, or two after a step that
+    accepted all k drafts (the last draft was never fed). Synthetic acceptance makes steps of
+    every kind; greedy exactness with this draft is `test_a_plain_qwen3_draft`'s."""
+    k = 3
+    llm = tiny_llm.with_speculation({**spec(HF_FIXTURES.parent / "qwen3", k), "rejection_sample_method": "synthetic",
+                                     "synthetic_acceptance_rates": [0.8, 0.6, 0.4]})
+    state, do_sample, _ = llm.start_batch(prompts()[2:], [GREEDY], rows=1)
+    trailing = set()
+    for _ in range(8):
+        state = llm.engine.decode(state, 1, do_sample)
+        draft_state, _rates = state.proposer  # synthetic acceptance wraps the draft's state
+        n, fed = int(state.lengths[0]), int(draft_state.fed[0])
+        trailing.add(n - fed)
+        assert_draft_cache_is_a_prefill(llm, draft_state, state.tokens, fed)
+    assert trailing == {1, 2}
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llm, tmp_path):
