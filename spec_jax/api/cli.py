@@ -21,8 +21,11 @@ VLLM_FLAGS = {
     "quantization": dict(help="'fp8': quantize the projections as they load"),
     "tensor_parallel_size": dict(type=int, help="devices to split the model over (default 1)"),
     "kv_cache_dtype": dict(help="auto"),
+    "enable_prefix_caching": dict(action=argparse.BooleanOptionalAction,
+                                  help="resume prompts from cached prefix blocks, exact (default: on for serve, off "
+                                       "for generate and bench)"),
     **{name: dict(action="store_true", help="accepted and ignored") for name in (
-        "enforce_eager", "trust_remote_code", "enable_prefix_caching", "enable_chunked_prefill", "disable_log_stats")},
+        "enforce_eager", "trust_remote_code", "enable_chunked_prefill", "disable_log_stats")},
     **{name: dict(type=int, help="accepted and ignored") for name in (
         "swap_space", "max_num_batched_tokens", "block_size")},
 }
@@ -196,6 +199,8 @@ def serve(args) -> None:
 
     from spec_jax.api.server import Server, build_app
 
+    if args.enable_prefix_caching is None:  # on by default in the server, as in vLLM
+        args.enable_prefix_caching = True
     server = Server(load_llm(args), served_model_name=args.served_model_name, chat_template=args.chat_template,
                     steps_per_chunk=args.steps_per_chunk)
     if not args.timeout_graceful_shutdown >= 0:

@@ -41,7 +41,6 @@ IGNORED = {
     "max_seq_len_to_capture": "there are no CUDA graphs",
     "distributed_executor_backend": "one process drives every device of the mesh (jax.distributed across hosts)",
     "hf_token": "checkpoints are read from local files",
-    "enable_prefix_caching": "prefix caching is not built yet: every prompt is prefilled in full",
     "disable_log_requests": "requests are not logged",
     "limit_mm_per_prompt": "the models here read text only",
     "mm_processor_kwargs": "the models here read text only",

@@ -33,6 +33,7 @@ from spec_jax.api.params import (INT32_MAX, CompletionOutput, RequestOutput, Sam
                                  fan_out, generation_defaults, logprob_entries)
 from spec_jax.default_model import default_model_dir
 from spec_jax.engine.sampling import MAX_BAD_WORD_LENGTH, MAX_BAD_WORDS
+from spec_jax.engine.prefix_cache import PrefixCache
 from spec_jax.engine.spec_config import NEEDS_MODEL, parse_speculative_config
 from spec_jax.engine.steps import DecodeState, Engine, SpecPlan, enable_compilation_cache
 from spec_jax.loading import load_model
@@ -81,6 +82,22 @@ def check_compiler_options(options: dict | None) -> None:
         raise ValueError(f"compiler_options={options!r}: XLA refused them ({e})") from None
 
 
+def prefix_caching_settings(enabled: bool, block_size: int | None, budget_gb: float,
+                            max_model_len: int) -> tuple[int, int] | None:
+    """Checked (block size, byte budget) of the prefix store, or None when caching is off."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enable_prefix_caching={enabled!r} must be True or False")
+    if not enabled:
+        return None
+    if block_size is None:
+        block_size = 256 if jax.default_backend() == "gpu" else CHUNK
+    if not isinstance(block_size, int) or block_size < CHUNK or block_size % CHUNK:
+        raise ValueError(f"prefix_block_size={block_size!r} must be a positive multiple of {CHUNK} (the GDN chunk)")
+    if not isinstance(budget_gb, int | float) or not 0 < budget_gb < 1e6:
+        raise ValueError(f"prefix_cache_gb={budget_gb!r} must be a positive number of gigabytes")
+    return block_size, int(budget_gb * 1e9)
+
+
 class LLM:
     """A Qwen3.5/3.6 checkpoint loaded for generation.
 
@@ -107,6 +124,12 @@ class LLM:
       tensor_parallel_size: devices to split the target over (a 1-D mesh; heads, MLP and expert
         channels and the vocabulary divided among them, `models/tensor_parallel.py`); the drafters
         are copied whole to each. Must divide the head counts and the MLP width.
+      enable_prefix_caching: keep prompt blocks so a prompt that starts like an earlier one resumes
+        from the deepest cached block (`spec_jax/engine/prefix_cache.py`); output is bitwise the
+        same with and without a hit, for plain decoding and every speculative method.
+      prefix_block_size: tokens a cached block (and a prefill pass) holds, a multiple of 64
+        (default 256 on the GPU, where a pass of 256 rows keeps the matmuls compute-bound; 64 elsewhere).
+      prefix_cache_gb: device memory the prefix store may hold (least recently used blocks go first).
       **kwargs: vLLM's other engine arguments (`engine_args`): `gpu_memory_utilization` sizes
         max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
         or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
@@ -117,7 +140,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int | None = None,
                  batch_buckets: Sequence[int] | None = None, compiler_options: dict | None = None, seed: int = 0,
                  speculative_config=None, tokenizer: str | None = None, rollback: str = "replay",
-                 tensor_parallel_size: int = 1, **kwargs):
+                 tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
+                 prefix_block_size: int | None = None, prefix_cache_gb: float = 4.0, **kwargs):
         engine_args = resolve_engine_args(kwargs)
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         if model is None:
@@ -166,6 +190,8 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
         self.max_model_len = max_model_len
         self.compiler_options = compiler_options
+        self.prefix_caching = prefix_caching_settings(enable_prefix_caching, prefix_block_size, prefix_cache_gb,
+                                                      max_model_len)
         self._set_speculation(speculative_config, rollback, max_num_seqs, batch_buckets)
         if engine_args.gpu_memory_utilization is not None:
             self._size_batch(engine_args.gpu_memory_utilization, explicit=asked_seqs is not None)
@@ -204,13 +230,24 @@ class LLM:
             draft = load_draft(spec, self.cfg, self.model.dtype)
         if spec is not None and draft is None:
             draft = target_drafter(spec, self.model)
-        cache_len = -(-self.max_model_len // CHUNK) * CHUNK
+        store = self._prefix_store(spec)
+        unit = CHUNK if store is None else store.block_size
+        cache_len = -(-self.max_model_len // unit) * unit
         plan = None if spec is None else SpecPlan(build_proposer(spec, self.cfg.vocab_size, cache_len, draft),
                                                   spec.num_speculative_tokens, rollback,
                                                   spec.draft_sample_method == "probabilistic")
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
                              draft=draft, batch_buckets=batch_buckets, compiler_options=self.compiler_options,
-                             mesh=self.mesh)
+                             mesh=self.mesh, prefix_cache=store)
+
+    def _prefix_store(self, spec) -> PrefixCache | None:
+        """A new, empty prefix store for an engine of this model and speculative config (None when
+        prefix caching is off). Its root key names what its blocks depend on."""
+        if self.prefix_caching is None:
+            return None
+        block_size, budget = self.prefix_caching
+        root = f"{self.model_path or id(self.model)}|{jnp.dtype(self.model.dtype).name}|{spec!r}|{block_size}"
+        return PrefixCache(root, block_size, budget)
 
     def _size_batch(self, utilization: float, *, explicit: bool) -> None:
         """vLLM's gpu_memory_utilization: the rows of caches that fit in that share of the device's
@@ -413,8 +450,10 @@ class LLM:
     def get_metrics(self) -> list:
         """vLLM's `LLM.get_metrics()`: counters over this LLM's lifetime under vLLM's names
         (`vllm:generation_tokens`, `vllm:spec_decode_num_drafts`, ..., and the per-position
-        accepted counts as a `Vector`)."""
-        return self.lifetime.metrics()
+        accepted counts as a `Vector`; with prefix caching `vllm:prefix_cache_queries` and
+        `vllm:prefix_cache_hits`, in prompt tokens)."""
+        store = self.engine.prefix_cache
+        return self.lifetime.metrics(None if store is None else (store.queries, store.hits))
 
     # ------------------------------------------------------------------ the functional layer
 

@@ -83,9 +83,13 @@ class LifetimeCounters:
                 counts = m["num_accepted_per_position"]
                 self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos or [0] * len(counts), counts)]
 
-    def metrics(self) -> list:
+    def metrics(self, prefix_cache: tuple[int, int] | None = None) -> list:
+        """prefix_cache: the store's (queries, hits) in prompt tokens, when prefix caching is on."""
         out = [Counter("vllm:request_success", self.requests), Counter("vllm:prompt_tokens", self.prompt_tokens),
                Counter("vllm:generation_tokens", self.generation_tokens)]
+        if prefix_cache is not None:
+            out += [Counter("vllm:prefix_cache_queries", prefix_cache[0]),
+                    Counter("vllm:prefix_cache_hits", prefix_cache[1])]
         if self.accepted_per_pos:
             out += [Counter("vllm:spec_decode_num_drafts", self.drafts),
                     Counter("vllm:spec_decode_num_draft_tokens", self.draft_tokens),

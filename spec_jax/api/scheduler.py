@@ -167,6 +167,9 @@ class Scheduler:
             out["accepted_per_position"] = list(self.accepted_per_position)
             out["running"] = sum(r is not None for r in self.slots)
             out["waiting"] = self.queued
+        store = self.engine.prefix_cache
+        if store is not None:
+            out["prefix_cache_queries"], out["prefix_cache_hits"] = store.queries, store.hits
         return out
 
     def reset_counters(self) -> None:

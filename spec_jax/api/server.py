@@ -394,6 +394,11 @@ def prometheus_text(stats: dict) -> str:
            [("", accepted / drafted if drafted else 0.0)])
     metric("spec_decode_mean_acceptance_length", "gauge", "1 + accepted / drafting steps.",
            [("", 1 + accepted / drafts if drafts else 1.0)])
+    if "prefix_cache_queries" in stats:
+        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+               [("", stats["prefix_cache_queries"])])
+        metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+               [("", stats["prefix_cache_hits"])])
     metric("num_requests_running", "gauge", "Requests in a batch slot.", [("", stats["running"])])
     metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", [("", stats["waiting"])])
     return "\n".join(lines) + "\n"

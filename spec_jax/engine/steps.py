@@ -28,11 +28,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from models.layers import Batch
+from models.layers import Batch, KVCache
 from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Config, Qwen3_5Model, init_cache
 from models.tensor_parallel import replicate
 from proposers import Proposer
 from proposers.oracle import SyntheticAcceptance
+from spec_jax.engine.prefix_cache import Block, PrefixCache
 from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic, draw,
                                      process_logits, ranked_logprobs, sample_tokens, warp_logits)
 
@@ -156,6 +157,19 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     cache = init_cache(model.cfg, B, cache_len, model.dtype)
     batch = Batch(start=jnp.zeros((B,), jnp.int32), n_valid=prompt_lengths)
     target = model(prompts, batch, cache, kv_len=T, taps=plan_taps(plan))
+    return start_decode(model, draft, target, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done,
+                        speculate, reference, cache_len=cache_len, do_sample=do_sample, plan=plan,
+                        num_logprobs=num_logprobs)
+
+
+def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, prompts, prompt_lengths, max_lengths, stop_ids,
+                 sampling: RowSampling, done, speculate, reference, *, cache_len: int, do_sample: bool,
+                 plan: SpecPlan | None, num_logprobs: int | None = None) -> DecodeState:
+    """What prefill does after the target's pass over the prompts: sample each row's first token
+    from the hidden state at its last position and start the proposer on the target's outputs.
+    target: that pass's `ForwardOut` (hidden [B, T, H], the caches holding the prompts, taps);
+    the other arguments as `prefill`'s."""
+    B, T = prompts.shape
     cache = target.cache
     last = target.hidden[jnp.arange(B), prompt_lengths - 1]
     history = None if sampling.penalties is None else TokenHistory.of_prompts(prompts, prompt_lengths,
@@ -173,6 +187,32 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     choose = drafting_policy(sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
     pstate = plan.proposer.init_state(model, draft, state.tokens, state.lengths, target, choose, reference)
     return dataclasses.replace(state, proposer=pstate, stats=SpecStats.zeros(B, plan.k))
+
+
+def prefill_block(model: Qwen3_5Model, draft, cache, tokens, start, n_valid, *, cache_len: int,
+                  plan: SpecPlan | None) -> tuple[Any, Block]:
+    """One block of one row's prompt under prefix caching: tokens [1, C] at positions start [1]
+    onward, n_valid [1] of them real. Attention spans every cache slot, so the pass computes the
+    same whatever the prompt's length. Returns (cache, the block's `Block`: its KV slices, the GDN
+    caches at its end, the target's hidden [1, C, H] and taps over it)."""
+    out = model(tokens, Batch(start, n_valid), cache, kv_len=cache_len, taps=plan_taps(plan))
+    C, at = tokens.shape[1], start[0]
+    parts = tuple(KVCache(*(jax.lax.dynamic_slice_in_dim(x, at, C, axis=2) for x in (c.k, c.v)))
+                  if isinstance(c, KVCache) else c for c in out.cache)
+    return out.cache, Block(parts, out.hidden, out.taps)
+
+
+def restore_block(model: Qwen3_5Model, draft, cache, block: Block, start, *, deepest: bool):
+    """A row's caches resumed from a cached block starting at position start []: its KV slices
+    written in place, and, for the deepest block a row resumes from, its GDN caches for the row's
+    (those of the blocks before it would only be overwritten)."""
+    def put(c, b):
+        if isinstance(c, KVCache):
+            return KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=2)
+                             for x, y in ((c.k, b.k), (c.v, b.v))))
+        return b if deepest else c
+
+    return tuple(put(c, b) for c, b in zip(cache, block.cache))
 
 
 def generated_before(state: DecodeState, drafts: jax.Array | None = None) -> jax.Array | None:
@@ -390,7 +430,8 @@ class Engine:
 
     def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None,
                  draft=None, decode_layout: bool | None = None, batch_buckets: tuple[int, ...] | None = None,
-                 compiler_options: dict | None = None, mesh: Mesh | None = None):
+                 compiler_options: dict | None = None, mesh: Mesh | None = None,
+                 prefix_cache: PrefixCache | None = None):
         """draft: the proposer's own network (an NNX model), if its method has one.
         batch_buckets: the batch row counts to compile for (each <= max_num_seqs); None: powers of two.
         compiler_options: XLA options for every executable (`jax.stages.Lowered.compile`'s).
@@ -398,17 +439,22 @@ class Engine:
         (`Qwen3_5Model.use_decode_layout`, in place: every layer's weights arrays of their own, run
         unrolled); None: `default_decode_layout()`.
         mesh: the tensor-parallel mesh the target was sharded over (`models.tensor_parallel`);
-        every program is compiled over it and the drafter's weights are copied to each device."""
+        every program is compiled over it and the drafter's weights are copied to each device.
+        prefix_cache: a `PrefixCache` store: prompts are prefilled a block at a time and resume
+        from the deepest cached block (the cache length is then a multiple of its block size)."""
         if default_decode_layout() if decode_layout is None else decode_layout:
             for network in (model, draft):
                 if hasattr(network, "use_decode_layout"):
                     network.use_decode_layout()
         self.cfg: Qwen3_5Config = model.cfg
+        self.dtype = model.dtype
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.batch_buckets = batch_buckets
         self.compiler_options = compiler_options
-        self.cache_len = -(-max_model_len // CHUNK) * CHUNK
+        self.prefix_cache = prefix_cache
+        unit = CHUNK if prefix_cache is None else prefix_cache.block_size
+        self.cache_len = -(-max_model_len // unit) * unit
         self.plan = plan
         self.mesh = mesh
         self.graphdef, self.params = nnx.split((model, draft))
@@ -465,9 +511,70 @@ class Engine:
 
     def prefill(self, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done, speculate, reference,
                 do_sample: bool, num_logprobs: int | None = None) -> DecodeState:
-        fn = partial(prefill, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan, num_logprobs=num_logprobs)
-        return self._compiled("prefill", fn, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done,
-                              speculate, reference, static=(do_sample, num_logprobs))
+        """`prefill` of a batch (its arguments); with a prefix cache, block by block per row."""
+        static = (do_sample, num_logprobs)
+        rest = (max_lengths, stop_ids, sampling, done, speculate, reference)
+        if self.prefix_cache is None:
+            fn = partial(prefill, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan,
+                         num_logprobs=num_logprobs)
+            return self._compiled("prefill", fn, prompts, prompt_lengths, *rest, static=static)
+        target, prompts = self._prefill_blocks(prompts, prompt_lengths, done)
+        fn = partial(start_decode, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan,
+                     num_logprobs=num_logprobs)
+        return self._compiled("start_decode", fn, target, prompts, prompt_lengths, *rest, static=static)
+
+    def _prefill_blocks(self, prompts, prompt_lengths, done) -> tuple[ForwardOut, jax.Array]:
+        """Prefix caching: each live row's prompt resumes from its deepest cached block and runs
+        the blocks after it one pass each, keeping every full block it computes. Returns the
+        target's `ForwardOut` over the batch (hidden and taps [B, W, ...], W the prompt bucket
+        rounded up to whole blocks; zeros at cached positions when no proposer reads them) and
+        the prompts padded to W."""
+        store, C = self.prefix_cache, self.prefix_cache.block_size
+        tokens, lengths, padding = np.asarray(prompts), np.asarray(prompt_lengths), np.asarray(done)
+        width = -(-tokens.shape[1] // C) * C
+        tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
+        empty = partial(init_cache, self.cfg, 1, self.cache_len)
+        run_block = partial(prefill_block, cache_len=self.cache_len, plan=self.plan)
+        caches, outputs = [], []  # per row: its caches, and the target's outputs [1, C, ...] block by block
+        for b in range(tokens.shape[0]):
+            cache = self._compiled("empty_row", lambda model, draft: empty(model.dtype))
+            blocks = []
+            if not padding[b]:
+                ids = tokens[b, :lengths[b]].tolist()
+                blocks, keys, new = store.lookup(ids), store.keys(ids), []
+                for i, block in enumerate(blocks):
+                    deepest = i == len(blocks) - 1
+                    cache = self._compiled("restore_block", partial(restore_block, deepest=deepest), cache, block,
+                                           jnp.asarray(i * C, jnp.int32), static=(deepest,), donate=(0,))
+                for i in range(len(blocks), -(-len(ids) // C)):
+                    chunk = jnp.asarray(tokens[b:b + 1, i * C:(i + 1) * C])
+                    cache, block = self._compiled("prefill_block", run_block, cache, chunk,
+                                                  jnp.asarray([i * C], jnp.int32),
+                                                  jnp.asarray([min(C, len(ids) - i * C)], jnp.int32), donate=(0,))
+                    blocks.append(block)
+                    if i < len(keys):  # a full block: kept, with the outputs only if a proposer reads them
+                        kept = block if self.plan else dataclasses.replace(block, hidden=None, taps=None)
+                        new.append((keys[i], kept))
+                store.put(new)
+            caches.append(cache)
+            outputs.append([(blk.hidden, blk.taps) for blk in blocks])
+        hidden, taps = self._assemble_outputs(outputs, width)
+        cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *caches)
+        return ForwardOut(hidden, cache, taps), jnp.asarray(tokens)
+
+    def _assemble_outputs(self, outputs, width: int):
+        """Rows' block outputs [(hidden [1, C, H] or None, taps or None), ...] -> hidden [B, W, H]
+        and taps [B, W, n*H] (or None), zeros where a block kept none."""
+        H, n_taps, C = self.cfg.hidden_size, len(plan_taps(self.plan)), self.prefix_cache.block_size
+
+        def row(parts, j, size):
+            pieces = [p[j] if p[j] is not None else jnp.zeros((1, C, size), self.dtype) for p in parts]
+            pieces.append(jnp.zeros((1, width - C * len(parts), size), self.dtype))
+            return jnp.concatenate(pieces, axis=1)
+
+        hidden = jnp.concatenate([row(parts, 0, H) for parts in outputs])
+        taps = jnp.concatenate([row(parts, 1, n_taps * H) for parts in outputs]) if n_taps else None
+        return hidden, taps
 
     def decode(self, state: DecodeState, max_steps: int, do_sample: bool) -> DecodeState:
         fn = partial(decode_loop, do_sample=do_sample, plan=self.plan)

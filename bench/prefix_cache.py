@@ -1,0 +1,100 @@
+"""Prefix caching at scale: time to first token of a long shared prefix plus new tokens, without
+caching, on a miss and on a hit, against a plain prefill of the new tokens alone; the store's
+bytes per cached token; and decode speed with caching on and off (plain, and MTP k=1 at a
+synthetic acceptance of 0.85) after a shorter prompt. Random weights of a released geometry, made on the device.
+
+    python -m bench.prefix_cache --geometry 27b --prefix 16384 --new 256 --out results/prefix_cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import jax
+
+from bench.models import geometry_config, random_model, random_prompts
+from bench.scale import synthetic
+from spec_jax import LLM, SamplingParams
+
+FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
+LONG = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True, seed=0)
+
+
+def ttft_s(llm: LLM, ids: list[int]) -> float:
+    """Seconds from prompt to the first token on the device (the prefill, host work included)."""
+    t = time.perf_counter()
+    state = llm.prefill([ids], [FIRST])
+    jax.block_until_ready(state.tokens)
+    return time.perf_counter() - t
+
+
+def decode_ms(llm: LLM, ids: list[int], steps: int) -> tuple[float, float]:
+    """(ms a decode-loop step, tokens a step) over `steps` steps after a warm-up call."""
+    state = llm.decode(llm.prefill([ids], [LONG]), 2)
+    before = int(state.lengths[0])
+    t = time.perf_counter()
+    state = llm.decode(state, steps)
+    jax.block_until_ready(state.tokens)
+    return 1e3 * (time.perf_counter() - t) / steps, (int(state.lengths[0]) - before) / steps
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--geometry", default="27b")
+    ap.add_argument("--layers", type=int, default=None, help="keep this many decoder layers (a quick probe)")
+    ap.add_argument("--prefix", type=int, default=16384, help="shared prefix tokens")
+    ap.add_argument("--new", type=int, default=256, help="tokens after the prefix, different per request")
+    ap.add_argument("--block", type=int, default=256, help="prefix_block_size")
+    ap.add_argument("--budget-gb", type=float, default=24.0, help="prefix_cache_gb")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
+    ap.add_argument("--decode-context", type=int, default=2048, help="prompt tokens before the timed decode")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    cfg = geometry_config(args.geometry, args.layers)
+    model = random_model(cfg)
+    length = args.prefix + args.new
+    room = -(-(length + 2 * args.steps + 64) // args.block) * args.block  # one cache length for both LLMs
+    common = dict(model=model, max_model_len=room, max_num_seqs=1)
+    plain = LLM(**common)
+    cached = LLM(**common, enable_prefix_caching=True, prefix_block_size=args.block, prefix_cache_gb=args.budget_gb)
+    prefix, other, *news = random_prompts(cfg, 6, args.prefix, seed=1)
+    news = [n[:args.new] for n in news]
+    out = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
+           "prefix": args.prefix, "new": args.new, "block": args.block}
+
+    ttft_s(plain, news[0])  # compiles
+    out["plain_new_only_s"] = ttft_s(plain, news[1])
+    try:  # the whole prompt in one pass: attention over it at once may not fit
+        ttft_s(plain, other + news[0])
+        out["plain_full_s"] = ttft_s(plain, prefix + news[0])
+    except jax.errors.JaxRuntimeError as e:
+        out["plain_full_s"] = f"failed: {str(e).splitlines()[0][:200]}"
+    ttft_s(cached, other + news[0])  # compiles every block program on another prefix: a miss,
+    ttft_s(cached, other + news[5])  # then a hit
+    out["miss_s"] = ttft_s(cached, prefix + news[1])
+    out["hit_s"] = min(ttft_s(cached, prefix + news[2]), ttft_s(cached, prefix + news[4]))  # the better of two
+    out["hit_over_plain_new_only"] = out["hit_s"] / out["plain_new_only_s"]
+    store = cached.engine.prefix_cache
+    out["store"] = store.stats()
+    out["store_bytes_per_token"] = store.bytes / (len(store.blocks) * args.block)
+    print(json.dumps(out), flush=True)
+
+    spec = synthetic({"method": "mtp", "num_speculative_tokens": 1}, 0.85)
+    for name, off, on in (("plain", plain, cached), ("mtp k=1 a=0.85", plain.with_speculation(spec),
+                                                    cached.with_speculation(spec))):
+        for label, llm in (("caching off", off), ("caching on", on)):
+            ms, per_step = decode_ms(llm, other[:args.decode_context], args.steps)
+            out.setdefault("decode", []).append({"method": name, "caching": label, "step_ms": ms,
+                                                 "tokens_per_step": per_step, "ms_per_token": ms / per_step})
+            print(json.dumps(out["decode"][-1]), flush=True)
+    if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
