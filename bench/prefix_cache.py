@@ -9,6 +9,7 @@ synthetic acceptance of 0.85) after a shorter prompt. Random weights of a releas
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import pathlib
 import time
@@ -31,6 +32,27 @@ def ttft_s(llm: LLM, ids: list[int]) -> float:
     return time.perf_counter() - t
 
 
+def hit_parts(llm: LLM, ids: list[int]) -> dict:
+    """Where a hit's time goes: the prefill call as a whole, and inside it each engine program
+    (empty row, restores, block passes, start_decode), waited for one by one."""
+    engine, seconds, calls = llm.engine, collections.defaultdict(float), collections.Counter()
+    run = engine._compiled
+
+    def timed(name, *args, **kwargs):
+        t = time.perf_counter()
+        out = jax.block_until_ready(run(name, *args, **kwargs))
+        seconds[name] += time.perf_counter() - t
+        calls[name] += 1
+        return out
+
+    engine._compiled = timed
+    try:
+        whole = ttft_s(llm, ids)
+    finally:
+        del engine._compiled
+    return {"whole_s": whole, "programs": {name: {"calls": calls[name], "s": seconds[name]} for name in seconds}}
+
+
 def decode_ms(llm: LLM, ids: list[int], steps: int) -> tuple[float, float]:
     """(ms a decode-loop step, tokens a step) over `steps` steps after a warm-up call."""
     state = llm.decode(llm.prefill([ids], [LONG]), 2)
@@ -51,6 +73,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-gb", type=float, default=24.0, help="prefix_cache_gb")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
     ap.add_argument("--decode-context", type=int, default=2048, help="prompt tokens before the timed decode")
+    ap.add_argument("--skip-decode", action="store_true", help="time the prefills only")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -61,7 +84,7 @@ def main(argv=None) -> None:
     common = dict(model=model, max_model_len=room, max_num_seqs=1)
     plain = LLM(**common)
     cached = LLM(**common, enable_prefix_caching=True, prefix_block_size=args.block, prefix_cache_gb=args.budget_gb)
-    prefix, other, *news = random_prompts(cfg, 6, args.prefix, seed=1)
+    prefix, other, *news = random_prompts(cfg, 8, args.prefix, seed=1)
     news = [n[:args.new] for n in news]
     out = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
            "prefix": args.prefix, "new": args.new, "block": args.block}
@@ -78,14 +101,16 @@ def main(argv=None) -> None:
     out["miss_s"] = ttft_s(cached, prefix + news[1])
     out["hit_s"] = min(ttft_s(cached, prefix + news[2]), ttft_s(cached, prefix + news[4]))  # the better of two
     out["hit_over_plain_new_only"] = out["hit_s"] / out["plain_new_only_s"]
+    out["hit_parts_s"] = hit_parts(cached, prefix + news[5])
     store = cached.engine.prefix_cache
     out["store"] = store.stats()
     out["store_bytes_per_token"] = store.bytes / (len(store.blocks) * args.block)
     print(json.dumps(out), flush=True)
 
     spec = synthetic({"method": "mtp", "num_speculative_tokens": 1}, 0.85)
-    for name, off, on in (("plain", plain, cached), ("mtp k=1 a=0.85", plain.with_speculation(spec),
-                                                    cached.with_speculation(spec))):
+    runs = () if args.skip_decode else (("plain", plain, cached),
+                                        ("mtp k=1 a=0.85", plain.with_speculation(spec), cached.with_speculation(spec)))
+    for name, off, on in runs:
         for label, llm in (("caching off", off), ("caching on", on)):
             ms, per_step = decode_ms(llm, other[:args.decode_context], args.steps)
             out.setdefault("decode", []).append({"method": name, "caching": label, "step_ms": ms,

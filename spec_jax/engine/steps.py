@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -202,17 +203,18 @@ def prefill_block(model: Qwen3_5Model, draft, cache, tokens, start, n_valid, *, 
     return out.cache, Block(parts, out.hidden, out.taps)
 
 
-def restore_block(model: Qwen3_5Model, draft, cache, block: Block, start, *, deepest: bool):
-    """A row's caches resumed from a cached block starting at position start []: its KV slices
-    written in place, and, for the deepest block a row resumes from, its GDN caches for the row's
-    (those of the blocks before it would only be overwritten)."""
-    def put(c, b):
-        if isinstance(c, KVCache):
-            return KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=2)
-                             for x, y in ((c.k, b.k), (c.v, b.v))))
-        return b if deepest else c
+def restore_blocks(model: Qwen3_5Model, draft, cache, blocks: tuple[Block, ...], start, *, deepest: bool):
+    """A row's caches resumed from consecutive cached blocks starting at position start []:
+    their KV slices written in place in one update, and, when the last of them is the deepest
+    block the row resumes from, its GDN caches for the row's (earlier ones would be overwritten)."""
 
-    return tuple(put(c, b) for c, b in zip(cache, block.cache))
+    def put(c, bs):
+        if isinstance(c, KVCache):
+            run = [jnp.concatenate([getattr(b, name) for b in bs], axis=2) for name in ("k", "v")]
+            return KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=2) for x, y in zip((c.k, c.v), run)))
+        return bs[-1] if deepest else c
+
+    return tuple(put(c, [b.cache[j] for b in blocks]) for j, c in enumerate(cache))
 
 
 def generated_before(state: DecodeState, drafts: jax.Array | None = None) -> jax.Array | None:
@@ -398,6 +400,11 @@ def prompt_logprobs(model: Qwen3_5Model, draft, tokens, length, *, num: int):
     return jax.tree.map(lambda x: x.reshape((T,) + x.shape[2:])[:-1], jax.lax.map(chunk, blocks))
 
 
+def powers_of_two(n: int) -> list[int]:
+    """n as a sum of distinct powers of two, largest first: 37 -> [32, 4, 1]."""
+    return [1 << i for i in reversed(range(n.bit_length())) if n >> i & 1]
+
+
 def bucket(n: int, lo: int, hi: int) -> int:
     """Smallest power of two >= max(n, lo), capped at hi."""
     return min(max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1))))), hi)
@@ -542,10 +549,13 @@ class Engine:
             if not padding[b]:
                 ids = tokens[b, :lengths[b]].tolist()
                 blocks, keys, new = store.lookup(ids), store.keys(ids), []
-                for i, block in enumerate(blocks):
-                    deepest = i == len(blocks) - 1
-                    cache = self._compiled("restore_block", partial(restore_block, deepest=deepest), cache, block,
-                                           jnp.asarray(i * C, jnp.int32), static=(deepest,), donate=(0,))
+                restored = 0
+                for run in powers_of_two(len(blocks)):  # few programs, few calls: one per power of two
+                    deepest = restored + run == len(blocks)
+                    cache = self._compiled("restore_blocks", partial(restore_blocks, deepest=deepest), cache,
+                                           tuple(blocks[restored:restored + run]), jnp.asarray(restored * C, jnp.int32),
+                                           static=(deepest,), donate=(0,))
+                    restored += run
                 for i in range(len(blocks), -(-len(ids) // C)):
                     chunk = jnp.asarray(tokens[b:b + 1, i * C:(i + 1) * C])
                     cache, block = self._compiled("prefill_block", run_block, cache, chunk,
@@ -568,8 +578,11 @@ class Engine:
         H, n_taps, C = self.cfg.hidden_size, len(plan_taps(self.plan)), self.prefix_cache.block_size
 
         def row(parts, j, size):
-            pieces = [p[j] if p[j] is not None else jnp.zeros((1, C, size), self.dtype) for p in parts]
-            pieces.append(jnp.zeros((1, width - C * len(parts), size), self.dtype))
+            have = [p[j] for p in parts] + [None] * (width // C - len(parts))
+            pieces = []  # a run of blocks without outputs becomes one zeros array
+            for missing, run in itertools.groupby(have, key=lambda x: x is None):
+                run = list(run)
+                pieces += [jnp.zeros((1, len(run) * C, size), self.dtype)] if missing else run
             return jnp.concatenate(pieces, axis=1)
 
         hidden = jnp.concatenate([row(parts, 0, H) for parts in outputs])
