@@ -87,6 +87,14 @@ def test_gpu_memory_utilization_sizes_max_num_seqs(tiny_dir, monkeypatch, caplog
         assert llm.engine.max_num_seqs == 40  # 0.5 x 100 rows - 10 in use
         assert "max_num_seqs 40 (cap 256)" in caplog.text
         assert LLM(str(tiny_dir), max_model_len=64, max_num_seqs=8, gpu_memory_utilization=0.5).engine.max_num_seqs == 8
+        # The prefix cache takes what the batch leaves of the share, unless its size is given.
+        cached = LLM(str(tiny_dir), max_model_len=64, max_num_seqs=8, gpu_memory_utilization=0.5,
+                     enable_prefix_caching=True)
+        assert cached.engine.prefix_cache.budget_bytes == 32 * row  # 50 rows' share - 10 in use - 8 rows
+        assert cached.with_speculation(None).engine.prefix_cache.budget_bytes == 32 * row
+        sized = LLM(str(tiny_dir), max_model_len=64, max_num_seqs=8, gpu_memory_utilization=0.5,
+                    enable_prefix_caching=True, prefix_cache_gb=1.0)
+        assert sized.engine.prefix_cache.budget_bytes == 10**9
         with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.1 leaves .* less than one row of caches"):
             LLM(str(tiny_dir), max_model_len=64, gpu_memory_utilization=0.1)
     finally:

@@ -82,9 +82,13 @@ def check_compiler_options(options: dict | None) -> None:
         raise ValueError(f"compiler_options={options!r}: XLA refused them ({e})") from None
 
 
-def prefix_caching_settings(enabled: bool, block_size: int | None, budget_gb: float,
-                            max_model_len: int) -> tuple[int, int] | None:
-    """Checked (block size, byte budget) of the prefix store, or None when caching is off."""
+DEFAULT_PREFIX_CACHE_GB = 4.0
+
+
+def prefix_caching_settings(enabled: bool, block_size: int | None, budget_gb: float | None,
+                            max_model_len: int) -> tuple[int, int | None] | None:
+    """Checked (block size, byte budget or None: not given) of the prefix store, or None when
+    caching is off."""
     if not isinstance(enabled, bool):
         raise ValueError(f"enable_prefix_caching={enabled!r} must be True or False")
     if not enabled:
@@ -93,6 +97,8 @@ def prefix_caching_settings(enabled: bool, block_size: int | None, budget_gb: fl
         block_size = 256 if jax.default_backend() == "gpu" else CHUNK
     if not isinstance(block_size, int) or block_size < CHUNK or block_size % CHUNK:
         raise ValueError(f"prefix_block_size={block_size!r} must be a positive multiple of {CHUNK} (the GDN chunk)")
+    if budget_gb is None:
+        return block_size, None
     if not isinstance(budget_gb, int | float) or not 0 < budget_gb < 1e6:
         raise ValueError(f"prefix_cache_gb={budget_gb!r} must be a positive number of gigabytes")
     return block_size, int(budget_gb * 1e9)
@@ -129,7 +135,8 @@ class LLM:
         same with and without a hit, for plain decoding and every speculative method.
       prefix_block_size: tokens a cached block (and a prefill pass) holds, a multiple of 64
         (default 256 on the GPU, where a pass of 256 rows keeps the matmuls compute-bound; 64 elsewhere).
-      prefix_cache_gb: device memory the prefix store may hold (least recently used blocks go first).
+      prefix_cache_gb: device memory the prefix store may hold (least recently used blocks go first);
+        default: what gpu_memory_utilization leaves beside the batch's caches when it is given, else 4.
       **kwargs: vLLM's other engine arguments (`engine_args`): `gpu_memory_utilization` sizes
         max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
         or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
@@ -141,7 +148,7 @@ class LLM:
                  batch_buckets: Sequence[int] | None = None, compiler_options: dict | None = None, seed: int = 0,
                  speculative_config=None, tokenizer: str | None = None, rollback: str = "replay",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
-                 prefix_block_size: int | None = None, prefix_cache_gb: float = 4.0, **kwargs):
+                 prefix_block_size: int | None = None, prefix_cache_gb: float | None = None, **kwargs):
         engine_args = resolve_engine_args(kwargs)
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         if model is None:
@@ -246,6 +253,7 @@ class LLM:
         if self.prefix_caching is None:
             return None
         block_size, budget = self.prefix_caching
+        budget = int(DEFAULT_PREFIX_CACHE_GB * 1e9) if budget is None else budget
         root = f"{self.model_path or id(self.model)}|{jnp.dtype(self.model.dtype).name}|{spec!r}|{block_size}"
         return PrefixCache(root, block_size, budget)
 
@@ -271,6 +279,11 @@ class LLM:
                  "(%s %d)", utilization, budget / 1e9, row / 1e9, self.max_model_len, chosen,
                  "asked" if explicit else "cap", asked)
         self.engine.max_num_seqs = chosen  # before anything compiles: it only bounds the batch buckets
+        if self.prefix_caching is not None and self.prefix_caching[1] is None:  # the store takes what is left
+            left = max(0, int(budget - chosen * row))
+            self.prefix_caching = (self.prefix_caching[0], left)
+            self.engine.prefix_cache.budget_bytes = left
+            log.info("gpu_memory_utilization=%s: %.2f GB left for the prefix cache", utilization, left / 1e9)
 
     def _row_bytes(self) -> int:
         """Device bytes a batch row adds: its `DecodeState` and a step's float32 logits, probabilities
