@@ -150,7 +150,8 @@ def test_n_samples_of_one_prompt_share_its_blocks(cached_llm):
 
 def test_eviction_keeps_the_budget_and_parents(cached_llm):
     """A budget of three blocks: a new prefix evicts the deepest blocks of the coldest one first,
-    so what stays is always a run from a prefix's start, and a hit after eviction stays exact."""
+    so what stays is always a run from a prefix's start, and a hit after eviction stays exact; a
+    prompt longer than the budget keeps its first blocks."""
     llm = cached_llm.with_speculation(None)
     llm.prefill([A[:130]], [GREEDY])  # fills blocks 0-1 of A
     store = llm.engine.prefix_cache
@@ -164,6 +165,10 @@ def test_eviction_keeps_the_budget_and_parents(cached_llm):
     got = llm.prefill([B[:150]], [GREEDY])
     llm.engine.prefix_cache = PrefixCache("none", BLOCK, 0)
     assert_bitwise(got, llm.prefill([B[:150]], [GREEDY]))
+    llm.engine.prefix_cache = smaller = PrefixCache("smaller", BLOCK, 2 * size)
+    long = RNG.integers(0, 500, 3 * BLOCK + 10).tolist()
+    llm.prefill([long], [GREEDY])  # three full blocks, a budget of two: it keeps its first two
+    assert len(smaller.lookup(long)) == 2 and smaller.bytes <= smaller.budget_bytes
 
 
 def test_keys_cover_the_whole_prefix():

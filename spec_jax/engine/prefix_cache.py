@@ -14,9 +14,9 @@ equal, on any device and in any dtype.
 Keys chain a SHA-256 over the prefix's token ids, block by block, from a root that names the
 model, its dtype and what the blocks hold, so two different prefixes never share a block. The
 store is an LRU over a byte budget on the device. A block is always made more recent than the
-blocks after it in its prefix (a lookup touches the deepest first, a row's new blocks are kept
-deepest first), so eviction takes the deepest blocks of the coldest prefixes first and never
-strands a block whose parent is gone.
+blocks after it in its prefix (a lookup or a prefill touches a prefix's blocks deepest first),
+so eviction takes the deepest blocks of the coldest prefixes first; a prompt keeps no more of its
+blocks than the budget holds, so its own later blocks never push out its first ones.
 """
 
 from __future__ import annotations
@@ -82,27 +82,34 @@ class PrefixCache:
             if key not in self.blocks:
                 break
             found.append(key)
-        for key in reversed(found):  # parents end more recent than their children
-            self.blocks.move_to_end(key)
+        self.touch(found)
         self.queries += len(tokens)
         self.hits += len(found) * self.block_size
         return [self.blocks[key][0] for key in found]
 
-    def put(self, blocks: Sequence[tuple[bytes, Block]]) -> None:
-        """Keep a row's new blocks (key, block), given in prompt order, evicting the least recently
-        used beyond the budget. A block larger than the whole budget is not kept."""
-        for key, block in reversed(blocks):
+    def room(self, block: Block) -> int:
+        """How many blocks of this one's size the budget holds."""
+        return self.budget_bytes // max(block_bytes(block), 1)
+
+    def put(self, key: bytes, block: Block) -> None:
+        """Keep a block, evicting the least recently used ones beyond the budget."""
+        if key in self.blocks:
+            self.blocks.move_to_end(key)
+            return
+        size = block_bytes(block)
+        if size > self.budget_bytes:
+            return
+        self.blocks[key] = (block, size)
+        self.bytes += size
+        while self.bytes > self.budget_bytes:
+            _, (_, evicted) = self.blocks.popitem(last=False)
+            self.bytes -= evicted
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Make a prefix's blocks (keys in prompt order) the most recent, parents last."""
+        for key in reversed(keys):
             if key in self.blocks:
                 self.blocks.move_to_end(key)
-                continue
-            size = block_bytes(block)
-            if size > self.budget_bytes:
-                continue
-            self.blocks[key] = (block, size)
-            self.bytes += size
-            while self.bytes > self.budget_bytes:
-                _, (_, evicted) = self.blocks.popitem(last=False)
-                self.bytes -= evicted
 
     def stats(self) -> dict:
         return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits, "blocks": len(self.blocks),

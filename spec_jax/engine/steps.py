@@ -545,29 +545,29 @@ class Engine:
         caches, outputs = [], []  # per row: its caches, and the target's outputs [1, C, ...] block by block
         for b in range(tokens.shape[0]):
             cache = self._compiled("empty_row", lambda model, draft: empty(model.dtype))
-            blocks = []
+            outputs.append([])
             if not padding[b]:
                 ids = tokens[b, :lengths[b]].tolist()
-                blocks, keys, new = store.lookup(ids), store.keys(ids), []
+                found, keys = store.lookup(ids), store.keys(ids)
                 restored = 0
-                for run in powers_of_two(len(blocks)):  # few programs, few calls: one per power of two
-                    deepest = restored + run == len(blocks)
+                for run in powers_of_two(len(found)):  # few programs, few calls: one per power of two
+                    deepest = restored + run == len(found)
                     cache = self._compiled("restore_blocks", partial(restore_blocks, deepest=deepest), cache,
-                                           tuple(blocks[restored:restored + run]), jnp.asarray(restored * C, jnp.int32),
+                                           tuple(found[restored:restored + run]), jnp.asarray(restored * C, jnp.int32),
                                            static=(deepest,), donate=(0,))
                     restored += run
-                for i in range(len(blocks), -(-len(ids) // C)):
+                outputs[-1] += [(blk.hidden, blk.taps) for blk in found]
+                for i in range(restored, -(-len(ids) // C)):
                     chunk = jnp.asarray(tokens[b:b + 1, i * C:(i + 1) * C])
                     cache, block = self._compiled("prefill_block", run_block, cache, chunk,
                                                   jnp.asarray([i * C], jnp.int32),
                                                   jnp.asarray([min(C, len(ids) - i * C)], jnp.int32), donate=(0,))
-                    blocks.append(block)
-                    if i < len(keys):  # a full block: kept, with the outputs only if a proposer reads them
-                        kept = block if self.plan else dataclasses.replace(block, hidden=None, taps=None)
-                        new.append((keys[i], kept))
-                store.put(new)
+                    outputs[-1].append((block.hidden, block.taps))
+                    kept = block if self.plan else dataclasses.replace(block, hidden=None, taps=None)
+                    if i < min(len(keys), store.room(kept)):  # a full block, within what the budget holds
+                        store.put(keys[i], kept)
+                store.touch(keys)
             caches.append(cache)
-            outputs.append([(blk.hidden, blk.taps) for blk in blocks])
         hidden, taps = self._assemble_outputs(outputs, width)
         cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *caches)
         return ForwardOut(hidden, cache, taps), jnp.asarray(tokens)
