@@ -129,3 +129,31 @@ def test_the_cli_and_the_server_take_tensor_parallel_size(llm2, checkpoints, cap
         r = client.post("/v1/completions", json={"model": "tp", "prompt": [1, 2, 3], "max_tokens": 30, "temperature": 0,
                                                  "ignore_eos": True, "return_token_ids": True})
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+
+
+def test_prefix_caching_under_tp(checkpoints):
+    """Prefix caching over two devices, with the host tier: a hit (blocks copied back to the
+    devices with their sharding) gives bitwise the state of a miss, and greedy tokens equal one
+    device's."""
+    from spec_jax.engine.prefix_cache import PrefixCache
+
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 500, 100).tolist()
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    want = LLM(str(checkpoints["dense"]), speculative_config=spec, **ARGS).generate(
+        prompt_token_ids=[prompt], sampling_params=DRAFT_GREEDY)[0].outputs[0].token_ids
+    llm = LLM(str(checkpoints["dense"]), tensor_parallel_size=2, enable_prefix_caching=True, speculative_config=spec,
+              **ARGS)
+    seeded = dataclasses.replace(DRAFT_GREEDY, seed=1)  # states compare whole
+    llm.engine.prefix_cache = PrefixCache("no hits", 64, 0)
+    miss = llm.prefill([prompt], [seeded])
+    llm.engine.prefix_cache = store = PrefixCache("tiered", 64, 1, host_budget_bytes=10**10)  # device keeps none
+    llm.prefill([prompt], [seeded])
+    hit = llm.prefill([prompt], [seeded])
+    assert store.host_hits == 64
+    for x, y in zip(jax.tree.leaves(miss), jax.tree.leaves(hit)):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=DRAFT_GREEDY)[0].outputs[0].token_ids
+    assert out == want

@@ -171,6 +171,24 @@ def test_eviction_keeps_the_budget_and_parents(cached_llm):
     assert len(smaller.lookup(long)) == 2 and smaller.bytes <= smaller.budget_bytes
 
 
+def test_blocks_the_device_evicts_come_back_from_host_memory(cached_llm):
+    """A one-block device budget with a host tier: A's first block moves to host memory when its
+    second arrives; a hit copies it back (which sends the second to the host, then brings it back
+    too), and the state still equals the no-hit one bitwise."""
+    llm = cached_llm.with_speculation(SPECS["mtp"])
+    probe = PrefixCache("probe", BLOCK, 10**12)
+    llm.engine.prefix_cache = probe
+    llm.prefill([A[:70]], [GREEDY])
+    one = probe.bytes
+    llm.engine.prefix_cache = tiered = PrefixCache("tiered", BLOCK, one, host_budget_bytes=4 * one)
+    llm.prefill([A[:140]], [GREEDY])  # blocks 0 and 1: block 0 goes to the host
+    assert (len(tiered.blocks), len(tiered.host.blocks)) == (1, 1)
+    got = llm.prefill([A[:140]], [GREEDY])
+    assert tiered.host_hits == tiered.hits == 2 * BLOCK
+    llm.engine.prefix_cache = PrefixCache("none", BLOCK, 0)
+    assert_bitwise(got, llm.prefill([A[:140]], [GREEDY]))
+
+
 def test_keys_cover_the_whole_prefix():
     """Two prompts with the same second block after different first blocks share no key."""
     store = PrefixCache("root", BLOCK, 10**9)

@@ -137,6 +137,8 @@ class LLM:
         (default 256 on the GPU, where a pass of 256 rows keeps the matmuls compute-bound; 64 elsewhere).
       prefix_cache_gb: device memory the prefix store may hold (least recently used blocks go first);
         default: what gpu_memory_utilization leaves beside the batch's caches when it is given, else 4.
+      prefix_cache_host_gb: host memory for blocks the device evicts (0: none); a hit there is
+        copied back instead of prefilled again.
       **kwargs: vLLM's other engine arguments (`engine_args`): `gpu_memory_utilization` sizes
         max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
         or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
@@ -148,7 +150,7 @@ class LLM:
                  batch_buckets: Sequence[int] | None = None, compiler_options: dict | None = None, seed: int = 0,
                  speculative_config=None, tokenizer: str | None = None, rollback: str = "replay",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
-                 prefix_block_size: int | None = None, prefix_cache_gb: float | None = None, **kwargs):
+                 prefix_block_size: int | None = None, prefix_cache_gb: float | None = None, prefix_cache_host_gb: float = 0.0, **kwargs):
         engine_args = resolve_engine_args(kwargs)
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         if model is None:
@@ -199,6 +201,9 @@ class LLM:
         self.compiler_options = compiler_options
         self.prefix_caching = prefix_caching_settings(enable_prefix_caching, prefix_block_size, prefix_cache_gb,
                                                       max_model_len)
+        if not isinstance(prefix_cache_host_gb, int | float) or not 0 <= prefix_cache_host_gb < 1e6:
+            raise ValueError(f"prefix_cache_host_gb={prefix_cache_host_gb!r} must be a number of gigabytes >= 0")
+        self.prefix_cache_host_bytes = int(prefix_cache_host_gb * 1e9)
         self._set_speculation(speculative_config, rollback, max_num_seqs, batch_buckets)
         if engine_args.gpu_memory_utilization is not None:
             self._size_batch(engine_args.gpu_memory_utilization, explicit=asked_seqs is not None)
@@ -255,7 +260,7 @@ class LLM:
         block_size, budget = self.prefix_caching
         budget = int(DEFAULT_PREFIX_CACHE_GB * 1e9) if budget is None else budget
         root = f"{self.model_path or id(self.model)}|{jnp.dtype(self.model.dtype).name}|{spec!r}|{block_size}"
-        return PrefixCache(root, block_size, budget)
+        return PrefixCache(root, block_size, budget, self.prefix_cache_host_bytes)
 
     def _size_batch(self, utilization: float, *, explicit: bool) -> None:
         """vLLM's gpu_memory_utilization: the rows of caches that fit in that share of the device's

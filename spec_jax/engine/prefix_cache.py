@@ -46,20 +46,63 @@ def block_bytes(block: Block) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(block))
 
 
-class PrefixCache:
-    """The block store of one engine. `root` names the model, dtype and block contents; blocks
-    are device arrays held in LRU order under `budget_bytes`."""
+class Tier:
+    """Blocks in LRU order under a byte budget (key -> (block, bytes)); `add` returns what it evicted."""
 
-    def __init__(self, root: str, block_size: int, budget_bytes: int):
+    def __init__(self, budget_bytes: int):
         if budget_bytes < 0:
             raise ValueError(f"prefix cache budget {budget_bytes} bytes must be >= 0")
+        self.budget_bytes = budget_bytes
+        self.blocks: collections.OrderedDict[bytes, tuple[Any, int]] = collections.OrderedDict()
+        self.bytes = 0
+
+    def add(self, key: bytes, block, size: int) -> list[tuple[bytes, Any, int]]:
+        if key in self.blocks or size > self.budget_bytes:
+            return []
+        self.blocks[key] = (block, size)
+        self.bytes += size
+        evicted = []
+        while self.bytes > self.budget_bytes:
+            old, (gone, gone_size) = self.blocks.popitem(last=False)
+            self.bytes -= gone_size
+            evicted.append((old, gone, gone_size))
+        return evicted
+
+    def pop(self, key: bytes):
+        block, size = self.blocks.pop(key)
+        self.bytes -= size
+        return block, size
+
+
+class PrefixCache:
+    """The block store of one engine. `root` names the model, dtype and block contents. Blocks
+    live in device memory in LRU order under `budget_bytes`; with a `host_budget_bytes`, blocks
+    the device evicts move to host memory, and a hit there is copied back (bitwise: a copy),
+    which costs a transfer instead of the block's prefill pass."""
+
+    def __init__(self, root: str, block_size: int, budget_bytes: int, host_budget_bytes: int = 0):
         self.root = hashlib.sha256(root.encode()).digest()
         self.block_size = block_size
-        self.budget_bytes = budget_bytes
-        self.blocks: collections.OrderedDict[bytes, tuple[Block, int]] = collections.OrderedDict()
-        self.bytes = 0
+        self.device, self.host = Tier(budget_bytes), Tier(host_budget_bytes)
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of those, tokens found cached (prefix_cache_hits)
+        self.host_hits = 0  # of those, tokens copied back from host memory
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.device.budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int) -> None:
+        self.device.budget_bytes = value
+
+    @property
+    def bytes(self) -> int:
+        return self.device.bytes
+
+    @property
+    def blocks(self):
+        return self.device.blocks
 
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
         """The chained key of every full block of `tokens`: key i covers tokens[: (i + 1) C]."""
@@ -73,44 +116,56 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int]) -> list[Block]:
         """The cached blocks a prompt can resume from, deepest last: the longest run of cached
         blocks from its start, leaving at least its last token to run (its logits draw the first
-        token). A prompt longer than a block counts as a query of its tokens (a shorter one can
-        never hit), its cached blocks' tokens as hits."""
+        token); blocks found in host memory come back to the device. A prompt longer than a block
+        counts as a query of its tokens (a shorter one can never hit), its cached blocks' tokens
+        as hits."""
         if len(tokens) <= self.block_size:
             return []
-        found = []
+        keys, found = [], []  # found: the blocks themselves, as a copy back may evict ones found earlier
         for key in self.keys(tokens[:len(tokens) - 1]):
-            if key not in self.blocks:
+            if key in self.device.blocks:
+                self.device.blocks.move_to_end(key)
+                block = self.device.blocks[key][0]
+            elif key in self.host.blocks:
+                (host_block, shardings), size = self.host.pop(key)
+                block = jax.device_put(host_block, shardings)
+                self._to_device(key, block, size)
+                self.host_hits += self.block_size
+            else:
                 break
-            found.append(key)
-        self.touch(found)
+            keys.append(key)
+            found.append(block)
+        self.touch(keys)
         self.queries += len(tokens)
         self.hits += len(found) * self.block_size
-        return [self.blocks[key][0] for key in found]
+        return found
 
     def room(self, block: Block) -> int:
-        """How many blocks of this one's size the budget holds."""
-        return self.budget_bytes // max(block_bytes(block), 1)
+        """How many blocks of this one's size the device and host budgets hold."""
+        return (self.device.budget_bytes + self.host.budget_bytes) // max(block_bytes(block), 1)
 
     def put(self, key: bytes, block: Block) -> None:
-        """Keep a block, evicting the least recently used ones beyond the budget."""
-        if key in self.blocks:
-            self.blocks.move_to_end(key)
+        """Keep a block, evicting the least recently used ones beyond the budget (to host memory
+        when it has a budget)."""
+        if key in self.device.blocks:
+            self.device.blocks.move_to_end(key)
             return
-        size = block_bytes(block)
-        if size > self.budget_bytes:
-            return
-        self.blocks[key] = (block, size)
-        self.bytes += size
-        while self.bytes > self.budget_bytes:
-            _, (_, evicted) = self.blocks.popitem(last=False)
-            self.bytes -= evicted
+        self._to_device(key, block, block_bytes(block))
+
+    def _to_device(self, key: bytes, block: Block, size: int) -> None:
+        """Keep a block on the device; what that evicts, or the block itself if it is larger than
+        the device budget, goes to host memory (with its shardings, to come back as it was)."""
+        overflow = [(key, block, size)] if size > self.device.budget_bytes else self.device.add(key, block, size)
+        for old, gone, gone_size in overflow if self.host.budget_bytes else ():
+            self.host.add(old, (jax.device_get(gone), jax.tree.map(lambda x: x.sharding, gone)), gone_size)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Make a prefix's blocks (keys in prompt order) the most recent, parents last."""
         for key in reversed(keys):
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
+            if key in self.device.blocks:
+                self.device.blocks.move_to_end(key)
 
     def stats(self) -> dict:
-        return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits, "blocks": len(self.blocks),
-                "bytes": self.bytes, "budget_bytes": self.budget_bytes}
+        return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits, "blocks": len(self.device.blocks),
+                "bytes": self.device.bytes, "budget_bytes": self.device.budget_bytes,
+                "host_blocks": len(self.host.blocks), "host_bytes": self.host.bytes, "host_hits": self.host_hits}
