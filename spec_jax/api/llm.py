@@ -150,7 +150,8 @@ class LLM:
                  batch_buckets: Sequence[int] | None = None, compiler_options: dict | None = None, seed: int = 0,
                  speculative_config=None, tokenizer: str | None = None, rollback: str = "replay",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
-                 prefix_block_size: int | None = None, prefix_cache_gb: float | None = None, prefix_cache_host_gb: float = 0.0, **kwargs):
+                 prefix_block_size: int | None = None, prefix_cache_gb: float | None = None,
+                 prefix_cache_host_gb: float = 0.0, **kwargs):
         engine_args = resolve_engine_args(kwargs)
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         if model is None:
