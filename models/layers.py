@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.batch_invariant import invariant_rows, row_tiled
 from pallas_kernels.quant_formats import QuantizedWeight, quantize
 from pallas_kernels.quant_matmul import quant_matmul
 
@@ -124,6 +125,10 @@ class Linear(nnx.Module):
         self.shards = 1  # static: the devices it is split over
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return row_tiled(self.apply, x)
+
+    def apply(self, x: jax.Array) -> jax.Array:
+        """x [..., in] -> [..., out], as XLA or the kernel best computes it for x's shape."""
         if self.format is not None:
             y = quant_matmul(x, self.quantized(), split=self.split)
         else:
@@ -230,11 +235,12 @@ def quantize_linears(model: nnx.Module, formats: dict[tuple, str]) -> nnx.Module
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
-    """NeoX rotate-half RoPE on the first `rotary_dim` dims of each head. x: [B, T, heads, d]."""
+    """NeoX rotate-half RoPE on the first `rotary_dim` dims of each head. x: [..., heads, d] at
+    positions [...] (e.g. [B, T, heads, d] and [B, T])."""
     half = rotary_dim // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., half]
+    cos, sin = jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
     xr = x[..., :rotary_dim].astype(jnp.float32)
     x1, x2 = xr[..., :half], xr[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -249,8 +255,15 @@ QUERY_BLOCK = 1024
 def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
     """GQA attention with an explicit mask. q: [B, T, nq, d]; k, v: [B, S, nkv, d]; visible:
     [B, T, S] bool. Returns [B, T, nq, d]. Past QUERY_BLOCK queries, block by block (each query's
-    softmax is its own, so the result is the same)."""
+    softmax is its own, so the result is the same). In batch-invariant mode row by row, each
+    row's queries in fixed tiles."""
     B, T = q.shape[:2]
+    if invariant_rows() is not None:
+        def one_row(args):
+            qb, kb, vb, seen = args
+            return row_tiled(lambda qt, st: attend_block(qt[None], kb[None], vb[None], st[None])[0], qb, seen, lead=1)
+
+        return jax.lax.map(one_row, (q, k, v, visible))
     if T <= QUERY_BLOCK or T % QUERY_BLOCK:
         return attend_block(q, k, v, visible)
     n = T // QUERY_BLOCK
@@ -322,7 +335,7 @@ class Attention(nnx.Module):
 
     def _rope(self, x: jax.Array, norm, positions: jax.Array) -> jax.Array:
         x = norm(x) if norm is not None else x
-        return apply_rope(x, positions, self.rotary_dim, self.rope_theta)
+        return row_tiled(lambda x, pos: apply_rope(x, pos, self.rotary_dim, self.rope_theta), x, positions, lead=2)
 
     @staticmethod
     def _split(x: jax.Array, heads: int) -> jax.Array:
@@ -348,7 +361,8 @@ class Attention(nnx.Module):
         """Attended values o [B, T, heads, d] (gated per element when the block has a gate) -> [B, T, d_out]."""
         o = o.reshape(*o.shape[:-2], -1)
         if gate is not None:
-            o = o * jax.nn.sigmoid(gate.reshape(o.shape).astype(jnp.float32)).astype(o.dtype)
+            gated = lambda o, gate: o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)  # noqa: E731
+            o = row_tiled(gated, o, gate.reshape(o.shape))
         return self.o_proj(o)
 
     def __call__(self, x: jax.Array, batch: Batch, cache: KVCache, g, kv_len: int) -> tuple[jax.Array, KVCache]:
@@ -372,7 +386,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         gate, up = project(self, self.PROJECTIONS, x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(row_tiled(lambda gate, up: jax.nn.silu(gate) * up, gate, up))
 
 
 class PlainRMSNorm(nnx.Module):
@@ -385,6 +399,9 @@ class PlainRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return row_tiled(self.apply, x)
+
+    def apply(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * self.weight[...]).astype(x.dtype)

@@ -27,6 +27,7 @@ from flax import nnx
 
 from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, expect_json, fuse_linears,
                            project, scan_layers, split_channels, unstack_layers, zeros_param)
+from pallas_kernels.batch_invariant import invariant_rows, row_tiled
 from pallas_kernels.expert_matmul import expert_swiglu
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
@@ -274,6 +275,9 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return row_tiled(self.apply, x)
+
+    def apply(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
@@ -287,9 +291,12 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
-        of = o.astype(jnp.float32)
-        n = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.eps)
-        return (n * self.weight[...] * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
+        def apply(o, z):
+            of = o.astype(jnp.float32)
+            n = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.eps)
+            return (n * self.weight[...] * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
+
+        return row_tiled(apply, o, z)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -330,14 +337,16 @@ class GatedDeltaNet(nnx.Module):
         window = jax.lax.dynamic_index_in_dim(cache.conv, g, keepdims=False)
         seq = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
         w = self.conv1d[...][:, 0, :]  # [C, K]
-        u = jax.nn.silu(sum(seq[:, s : s + T] * w[:, s] for s in range(K)))
+        taps = [seq[:, s : s + T] for s in range(K)]
+        convolve = lambda *taps: jax.nn.silu(sum(x * w[:, s] for s, x in enumerate(taps)))  # noqa: E731
+        u = row_tiled(convolve, *taps, lead=2)
         q, k, v = split_channels(u, (key_dim, key_dim, nv * dv), self.shards)
         q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
         valid = batch.valid_for(T)[..., None]
-        beta = jnp.where(valid, jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
-        a = a.astype(jnp.float32)
-        decay = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
-        decay = jnp.where(valid, decay, 0.0)
+        beta = row_tiled(lambda b: jax.nn.sigmoid(b.astype(jnp.float32)), b, lead=2)  # write strength
+        decay = row_tiled(lambda a: -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) +
+                                                                               self.dt_bias[...]), a, lead=2)
+        beta, decay = jnp.where(valid, beta, 0.0), jnp.where(valid, decay, 0.0)
         state = jax.lax.dynamic_index_in_dim(cache.state, g, keepdims=False)
 
         pending = None
@@ -349,7 +358,7 @@ class GatedDeltaNet(nnx.Module):
             pending = GDNPending(seq, k=k, v=v, decay=decay, beta=beta)
         else:
             # o comes back in v's dtype (chunked, as HF's) or float32 (recurrent); the norm reads float32
-            rule = gdn_chunked if T >= CHUNK else gdn_recurrent
+            rule = gdn_chunked if T >= CHUNK and invariant_rows() is None else gdn_recurrent
             o, state = rule(q, k, v, decay, beta, state)
             cache = GDNCache(
                 jax.lax.dynamic_update_index_in_dim(cache.conv, conv_window(seq, batch.n_valid, K), g, 0),
@@ -544,7 +553,8 @@ class Qwen3_5Model(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Post-norm hidden [..., H] -> float32 logits [..., V]."""
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
-        return jnp.einsum("...h,vh->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return row_tiled(lambda h: jnp.einsum("...h,vh->...v", h.astype(w.dtype), w,
+                                              preferred_element_type=jnp.float32), hidden)
 
     def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int, rollback=None,
                  taps: tuple[int, ...] = ()):

@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.batch_invariant import row_tiled
+
 L2_EPS = 1e-6  # the same eps HF and flash-linear-attention use in their l2norm
 
 
@@ -13,8 +15,7 @@ def inverse_norm(x: jax.Array) -> jax.Array:
 
 def l2norm(x: jax.Array) -> jax.Array:
     """x * rsqrt(sum(x^2) + eps) over the last axis, in float32."""
-    x = x.astype(jnp.float32)
-    return x * inverse_norm(x)[..., None]
+    return row_tiled(lambda x: x * inverse_norm(x)[..., None], x.astype(jnp.float32))
 
 
 def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array, jax.Array]:

@@ -47,6 +47,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollback", default="replay", choices=["checkpoint", "replay"],
                    help="how GDN state returns to the accepted prefix after verification")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json, a directory holding one, or a cached repo id")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a token's logits bitwise the same in any pass: greedy speculation equals plain decoding")
     vllm = p.add_argument_group("vLLM engine arguments (spec_jax/api/engine_args.py says which are used)")
     for name, options in VLLM_FLAGS.items():
         vllm.add_argument("--" + name.replace("_", "-"), default=None, **options)
@@ -122,7 +124,8 @@ def load_llm(args):
     buckets = parse_ids(args.batch_buckets, "--batch-buckets") if args.batch_buckets else None
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, tokenizer=args.tokenizer,
               max_num_seqs=args.max_num_seqs, batch_buckets=buckets, seed=args.seed,
-              speculative_config=args.speculative_config, rollback=args.rollback, **engine_args)
+              speculative_config=args.speculative_config, rollback=args.rollback,
+              batch_invariant=args.batch_invariant, **engine_args)
     print(f"loaded {llm.model_path} ({llm.cfg.model_type}, {llm.cfg.num_hidden_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return llm

@@ -139,6 +139,10 @@ class LLM:
         default: what gpu_memory_utilization leaves beside the batch's caches when it is given, else 4.
       prefix_cache_host_gb: host memory for blocks the device evicts (0: none); a hit there is
         copied back instead of prefilled again.
+      batch_invariant: compute the target so that a token's logits are bitwise the same whatever
+        shares its pass (decode, verify, prefill, any batch): greedy output with speculation then
+        equals plain decoding token for token, in any dtype (`pallas_kernels/batch_invariant.py`).
+        Dense models only.
       **kwargs: vLLM's other engine arguments (`engine_args`): `gpu_memory_utilization` sizes
         max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
         or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
@@ -151,7 +155,7 @@ class LLM:
                  speculative_config=None, tokenizer: str | None = None, rollback: str = "replay",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
                  prefix_block_size: int | None = None, prefix_cache_gb: float | None = None,
-                 prefix_cache_host_gb: float = 0.0, **kwargs):
+                 prefix_cache_host_gb: float = 0.0, batch_invariant: bool = False, **kwargs):
         engine_args = resolve_engine_args(kwargs)
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
         if model is None:
@@ -205,6 +209,9 @@ class LLM:
         if not isinstance(prefix_cache_host_gb, int | float) or not 0 <= prefix_cache_host_gb < 1e6:
             raise ValueError(f"prefix_cache_host_gb={prefix_cache_host_gb!r} must be a number of gigabytes >= 0")
         self.prefix_cache_host_bytes = int(prefix_cache_host_gb * 1e9)
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant={batch_invariant!r} must be True or False")
+        self.batch_invariant = batch_invariant
         self._set_speculation(speculative_config, rollback, max_num_seqs, batch_buckets)
         if engine_args.gpu_memory_utilization is not None:
             self._size_batch(engine_args.gpu_memory_utilization, explicit=asked_seqs is not None)
@@ -251,7 +258,7 @@ class LLM:
                                                   spec.draft_sample_method == "probabilistic")
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
                              draft=draft, batch_buckets=batch_buckets, compiler_options=self.compiler_options,
-                             mesh=self.mesh, prefix_cache=store)
+                             mesh=self.mesh, prefix_cache=store, batch_invariant=self.batch_invariant)
 
     def _prefix_store(self, spec) -> PrefixCache | None:
         """A new, empty prefix store for an engine of this model and speculative config (None when
@@ -570,7 +577,8 @@ class LLM:
         if getattr(self, "_plain_engine", None) is None:
             self._plain_engine = Engine(self.model, max_model_len=self.max_model_len,
                                         max_num_seqs=self.engine.max_num_seqs, batch_buckets=self.engine.batch_buckets,
-                                        compiler_options=self.compiler_options, mesh=self.mesh)
+                                        compiler_options=self.compiler_options, mesh=self.mesh,
+                                        batch_invariant=self.batch_invariant)
         return self._plain_engine
 
     def _run_batch(self, ids, params) -> list[tuple[CompletionOutput, dict]]:

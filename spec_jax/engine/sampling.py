@@ -12,6 +12,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.batch_invariant import row_tiled
+
 # Multi-token bad words: a row holds up to MAX_BAD_WORDS token sequences of up to MAX_BAD_WORD_LENGTH
 # tokens (fixed, so every row fits a continuous batch's live state).
 MAX_BAD_WORDS = 32
@@ -103,7 +105,7 @@ def ranked_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
     """Each token's log-probability under logits [..., V] (float32 log-softmax) with its rank
     (1 = the most likely), and the k most likely: (token [...], rank [...] int32, top_ids [..., k]
     int32, top [..., k]) for tokens [...]."""
-    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lp = row_tiled(lambda x: jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), logits)  # per token, any pass
     token = jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0]
     rank = jnp.sum(lp > token[..., None], axis=-1).astype(jnp.int32) + 1
     top, top_ids = jax.lax.top_k(lp, k)

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from models.layers import Batch, KVCache
 from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Config, Qwen3_5Model, init_cache
 from models.tensor_parallel import replicate
+from pallas_kernels.batch_invariant import batch_invariant, invariant_rows, invariant_tile_rows
 from proposers import Proposer
 from proposers.oracle import SyntheticAcceptance
 from spec_jax.engine.prefix_cache import Block, PrefixCache
@@ -157,7 +158,8 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     B, T = prompts.shape
     cache = init_cache(model.cfg, B, cache_len, model.dtype)
     batch = Batch(start=jnp.zeros((B,), jnp.int32), n_valid=prompt_lengths)
-    target = model(prompts, batch, cache, kv_len=T, taps=plan_taps(plan))
+    # Batch-invariant: attention spans the whole cache in every pass, prefill included.
+    target = model(prompts, batch, cache, kv_len=cache_len if invariant_rows() else T, taps=plan_taps(plan))
     return start_decode(model, draft, target, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done,
                         speculate, reference, cache_len=cache_len, do_sample=do_sample, plan=plan,
                         num_logprobs=num_logprobs)
@@ -438,7 +440,7 @@ class Engine:
     def __init__(self, model: Qwen3_5Model, *, max_model_len: int, max_num_seqs: int, plan: SpecPlan | None = None,
                  draft=None, decode_layout: bool | None = None, batch_buckets: tuple[int, ...] | None = None,
                  compiler_options: dict | None = None, mesh: Mesh | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, batch_invariant: bool = False):
         """draft: the proposer's own network (an NNX model), if its method has one.
         batch_buckets: the batch row counts to compile for (each <= max_num_seqs); None: powers of two.
         compiler_options: XLA options for every executable (`jax.stages.Lowered.compile`'s).
@@ -448,7 +450,9 @@ class Engine:
         mesh: the tensor-parallel mesh the target was sharded over (`models.tensor_parallel`);
         every program is compiled over it and the drafter's weights are copied to each device.
         prefix_cache: a `PrefixCache` store: prompts are prefilled a block at a time and resume
-        from the deepest cached block (the cache length is then a multiple of its block size)."""
+        from the deepest cached block (the cache length is then a multiple of its block size).
+        batch_invariant: trace the target batch-invariant (`pallas_kernels.batch_invariant`): a
+        token's logits are bitwise the same in any pass, so greedy speculation equals plain decoding."""
         if default_decode_layout() if decode_layout is None else decode_layout:
             for network in (model, draft):
                 if hasattr(network, "use_decode_layout"):
@@ -460,6 +464,10 @@ class Engine:
         self.batch_buckets = batch_buckets
         self.compiler_options = compiler_options
         self.prefix_cache = prefix_cache
+        if batch_invariant and model.cfg.is_moe:
+            raise ValueError("batch_invariant=True is built for dense models; this checkpoint routes experts "
+                             f"(num_experts={model.cfg.num_experts})")
+        self.invariant_rows = invariant_tile_rows() if batch_invariant else None
         unit = CHUNK if prefix_cache is None else prefix_cache.block_size
         self.cache_len = -(-max_model_len // unit) * unit
         self.plan = plan
@@ -485,15 +493,19 @@ class Engine:
         if key not in self.executables:
             t0 = time.perf_counter()
             jitted = jax.jit(self._on_params(fn), donate_argnums=tuple(i + 1 for i in donate))
-            with self.on_mesh():
+            with self.tracing():
                 lowered = jitted.lower(self.params, *args)
             self.executables[key] = lowered.compile(compiler_options=self.compiler_options)
             log.info("compiled %s for %s in %.1f s", name, describe_shapes(args), time.perf_counter() - t0)
         return self.executables[key](self.params, *args)
 
-    def on_mesh(self):
-        """The context programs are traced in: the tensor-parallel mesh, if any."""
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def tracing(self):
+        """The context programs are traced in: the tensor-parallel mesh, if any, and the
+        batch-invariant mode, if on."""
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            with batch_invariant(self.invariant_rows):
+                yield
 
     def _on_params(self, fn):
         """fn(model, draft, *a) as a function of the split parameters: run(params, *a)."""
@@ -510,7 +522,7 @@ class Engine:
         """Device bytes of the `DecodeState` a prefill of these one-row arguments returns (caches,
         proposer state, token buffer): what each further batch row costs. Traced, not compiled or run."""
         fn = partial(prefill, cache_len=self.cache_len, do_sample=False, plan=self.plan)
-        with self.on_mesh():
+        with self.tracing():
             state = jax.eval_shape(self._on_params(fn), self.params, prompts, prompt_lengths, max_lengths, stop_ids,
                                    sampling, done, speculate, reference)
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)

@@ -1,0 +1,76 @@
+"""Batch-invariant mode: a token's logits come out bitwise the same whatever else shares its pass.
+
+XLA picks a matmul's algorithm (GEMV or tiled GEMM, the split of the reduction) by the number of
+rows, so the same token's logits differ in the last bits between a one-token decode step, a
+(k+1)-token verify pass, a prefill and another batch size, and greedy speculation can leave plain
+decoding at a near-tie. In this mode every computation that mixes values within a token (the
+projections, norms, the lm_head, attention) runs on fixed-shape tiles of `rows` tokens, one tile
+at a time, with an optimization barrier on each tile so XLA compiles the tile the same way in
+every program; a token's result then depends only on its own inputs. GDN runs its recurrent rule
+token by token (the chunked rule is another order of the same sums), and attention always spans
+the whole cache.
+
+XLA computes each tile (a projection reads its weights once per tile of `rows` tokens). The mode
+is entered with `batch_invariant(rows)` around tracing, as `spec_jax.engine.steps.Engine` does;
+the layers call `row_tiled`, which is the plain call outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("batch_invariant_rows", default=None)
+
+
+def invariant_tile_rows() -> int:
+    """Tokens a tile holds on this backend: on the GPU a projection stays bound by its weight
+    bytes well past 64 rows (an H200 does ~206 bf16 FLOP per HBM byte), so a tile of 64 should
+    cost about what one row does and holds batch 8 x k = 7; on the CPU every padded row is
+    arithmetic, so 8 (a verify of up to 7 drafts in one tile)."""
+    return 64 if jax.default_backend() == "gpu" else 8
+
+
+@contextlib.contextmanager
+def batch_invariant(rows: int | None):
+    """Trace in batch-invariant mode with tiles of `rows` tokens (None: the default fast path)."""
+    token = _ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def invariant_rows() -> int | None:
+    """The tile size of the batch-invariant mode being traced in, or None outside it."""
+    return _ROWS.get()
+
+
+def row_tiled(fn: Callable, *xs: jax.Array, lead: int | None = None):
+    """fn(*xs) with the first `lead` axes of every x (default: all but the last) flattened into
+    token rows and run `invariant_rows()` rows at a time: fn sees [R, ...] tiles only, so a row's
+    result does not depend on how many rows there are. fn returns one array [R, ...]. Outside the
+    mode, fn(*xs) itself."""
+    rows = invariant_rows()
+    if rows is None:
+        return fn(*xs)
+    lead = xs[0].ndim - 1 if lead is None else lead
+    shape = xs[0].shape[:lead]
+    n = math.prod(shape)
+    tiles = -(-n // rows)
+
+    def tiled(x):
+        flat = x.reshape(n, *x.shape[lead:])
+        flat = jnp.pad(flat, [(0, tiles * rows - n)] + [(0, 0)] * (flat.ndim - 1))
+        return flat.reshape(tiles, rows, *flat.shape[1:])
+
+    def one(tile):
+        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(tile)))
+
+    out = jax.lax.map(one, tuple(tiled(x) for x in xs))
+    return out.reshape(tiles * rows, *out.shape[2:])[:n].reshape(*shape, *out.shape[2:])

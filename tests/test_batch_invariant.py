@@ -1,0 +1,116 @@
+"""Batch-invariant mode: a token's logits are bitwise the same whatever shares its pass (one-token
+decode, a verify of k + 1 tokens, a prefill, a prefill block resumed mid-prompt, other rows of a
+batch), so greedy speculation reproduces plain decoding down to the logprobs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY, drafter_prompts
+
+from models.layers import Batch
+from models.qwen3_5 import init_cache
+from pallas_kernels.batch_invariant import batch_invariant, row_tiled
+from spec_jax import LLM, SamplingParams
+from spec_jax.api.cli import build_parser
+from spec_jax.writing.random_checkpoint import main as write_drafter
+from spec_jax.writing.random_checkpoint import write_checkpoint
+
+L = 128
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def invariant_llm(tiny_dir):
+    return LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4],
+               batch_invariant=True)
+
+
+def test_a_tokens_logits_do_not_depend_on_its_pass(invariant_llm):
+    """Positions 20..29 of one sequence: decoded one token at a time, verified four at a time
+    (with a replay rollback committing two), prefilled whole beside two other rows, and resumed
+    as a block from position 20: the same float32 logits, bit for bit."""
+    model = invariant_llm.model
+    rng = np.random.default_rng(0)
+    seq, others = rng.integers(0, 500, 30), rng.integers(0, 500, (2, 30))
+    with batch_invariant(8):
+        def forward(tokens, start, n, cache, keep):
+            out = model(tokens, Batch(start, n), cache, kv_len=L, rollback=None if keep is None else "replay")
+            cache = out.cache if keep is None else model.commit(out.cache, out.pending, keep)
+            return model.logits(out.hidden), cache
+
+        run = jax.jit(forward)
+        empty = init_cache(model.cfg, 1, L, model.dtype)
+        one = lambda t: jnp.asarray(t, jnp.int32)  # noqa: E731
+        logits, after_20 = run(one(seq[None, :20]), one([0]), one([20]), empty, None)
+        decoded, cache = [logits[0, 19]], after_20
+        for t in range(20, 29):
+            logits, cache = run(one(seq[None, t:t + 1]), one([t]), one([1]), cache, None)
+            decoded.append(logits[0, 0])
+        decoded = np.stack(decoded)  # logits at positions 19..28
+
+        verified, committed = run(one(seq[None, 20:24]), one([20]), one([4]), after_20, one([2]))
+        np.testing.assert_array_equal(np.asarray(verified[0]), decoded[1:5])
+        after_commit, _ = run(one(seq[None, 22:23]), one([22]), one([1]), committed, None)
+        np.testing.assert_array_equal(np.asarray(after_commit[0, 0]), decoded[3])
+
+        batch, _ = run(one(np.concatenate([seq[None], others])[:, :30]), one([0, 0, 0]), one([30, 30, 30]),
+                       init_cache(model.cfg, 3, L, model.dtype), None)
+        np.testing.assert_array_equal(np.asarray(batch[0, 19:29]), decoded)
+
+        block = np.zeros((1, 64), np.int32)
+        block[0, :10] = seq[20:30]
+        resumed, _ = run(one(block), one([20]), one([10]), after_20, None)
+        np.testing.assert_array_equal(np.asarray(resumed[0, :9]), decoded[1:])
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("invariant_drafters")
+    for kind in ("dflash", "draft_model"):
+        write_drafter([kind, str(d / kind), "--target", str(tiny_dir)])
+    return d
+
+
+@pytest.mark.parametrize("name, spec", [
+    ("mtp", {"method": "mtp", "num_speculative_tokens": 3}),
+    ("dflash", {"method": "dflash", "num_speculative_tokens": 15}),
+    ("draft_model", {"method": "draft_model", "num_speculative_tokens": 2}),
+])
+def test_greedy_speculation_reproduces_plain_decoding_bitwise(invariant_llm, drafters, name, spec):
+    """Tokens and their logprobs (the target's raw log-softmax, from the verify pass with
+    speculation on) equal plain decoding's exactly, alone and in a mixed batch."""
+    spec = {**spec, "model": str(drafters / name)} if name != "mtp" else spec
+    prompts = drafter_prompts()
+    params = [GREEDY, dataclasses.replace(GREEDY, speculative=False), GREEDY]
+
+    def run(llm, params):
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [[(t, x.logprob) for t, x in e.items()] for e in o.outputs[0].logprobs])
+                for o in outs]
+
+    plain = run(invariant_llm, GREEDY)
+    speculating = invariant_llm.with_speculation(spec)
+    assert run(speculating, GREEDY) == plain
+    assert run(speculating, params) == plain
+    assert speculating.metrics["num_draft_tokens"] > 0
+
+
+def test_row_tiled_is_the_plain_call_outside_the_mode():
+    x = jnp.arange(12.0).reshape(3, 4)
+    np.testing.assert_array_equal(row_tiled(lambda t: t * 2, x), x * 2)
+    with batch_invariant(2):
+        np.testing.assert_array_equal(jax.jit(lambda x: row_tiled(lambda t: t * 2, x))(x), x * 2)
+
+
+def test_routed_experts_and_bad_values_are_refused(tmp_path, tiny_dir):
+    moe = write_checkpoint(tmp_path / "moe", dataclasses.replace(TINY, num_experts=4, num_experts_per_tok=2,
+                                                                 moe_intermediate_size=16,
+                                                                 shared_expert_intermediate_size=24), seed=1)
+    with pytest.raises(ValueError, match="batch_invariant=True is built for dense models.*num_experts=4"):
+        LLM(str(moe), dtype="float32", max_model_len=64, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant='yes' must be True or False"):
+        LLM(str(tiny_dir), dtype="float32", max_model_len=64, batch_invariant="yes")
+    assert build_parser().parse_args(["serve", "--batch-invariant"]).batch_invariant is True
