@@ -35,7 +35,7 @@ from spec_jax.default_model import default_model_dir
 from spec_jax.engine.sampling import MAX_BAD_WORD_LENGTH, MAX_BAD_WORDS
 from spec_jax.engine.prefix_cache import PrefixCache
 from spec_jax.engine.spec_config import NEEDS_MODEL, parse_speculative_config
-from spec_jax.engine.steps import DecodeState, Engine, SpecPlan, enable_compilation_cache
+from spec_jax.engine.steps import DecodeState, Engine, SpecPlan, cache_length, enable_compilation_cache
 from spec_jax.loading import load_model
 from spec_jax.loading.drafters import load_draft
 from spec_jax.loading.gguf import find_gguf, gguf_tokenizer
@@ -251,9 +251,8 @@ class LLM:
         if spec is not None and draft is None:
             draft = target_drafter(spec, self.model)
         store = self._prefix_store(spec)
-        unit = CHUNK if store is None else store.block_size
-        cache_len = -(-self.max_model_len // unit) * unit
-        plan = None if spec is None else SpecPlan(build_proposer(spec, self.cfg.vocab_size, cache_len, draft),
+        plan = None if spec is None else SpecPlan(build_proposer(spec, self.cfg.vocab_size,
+                                                                 cache_length(self.max_model_len, store), draft),
                                                   spec.num_speculative_tokens, rollback,
                                                   spec.draft_sample_method == "probabilistic")
         self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
@@ -267,7 +266,8 @@ class LLM:
             return None
         block_size, budget = self.prefix_caching
         budget = int(DEFAULT_PREFIX_CACHE_GB * 1e9) if budget is None else budget
-        root = f"{self.model_path or id(self.model)}|{jnp.dtype(self.model.dtype).name}|{spec!r}|{block_size}"
+        root = (f"{self.model_path or id(self.model)}|{jnp.dtype(self.model.dtype).name}|{spec!r}|{block_size}|"
+                f"invariant={self.batch_invariant}")
         return PrefixCache(root, block_size, budget, self.prefix_cache_host_bytes)
 
     def _size_batch(self, utilization: float, *, explicit: bool) -> None:

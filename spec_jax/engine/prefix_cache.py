@@ -13,7 +13,8 @@ equal, on any device and in any dtype.
 
 Keys chain a SHA-256 over the prefix's token ids, block by block, from a root that names the
 model, its dtype and what the blocks hold, so two different prefixes never share a block. The
-store is an LRU over a byte budget on the device. A block is always made more recent than the
+store is an LRU over a byte budget in device memory, with an optional second tier in host
+memory for the blocks the device evicts. A block is always made more recent than the
 blocks after it in its prefix (a lookup or a prefill touches a prefix's blocks deepest first),
 so eviction takes the deepest blocks of the coldest prefixes first; a prompt keeps no more of its
 blocks than the budget holds, so its own later blocks never push out its first ones.

@@ -402,6 +402,13 @@ def prompt_logprobs(model: Qwen3_5Model, draft, tokens, length, *, num: int):
     return jax.tree.map(lambda x: x.reshape((T,) + x.shape[2:])[:-1], jax.lax.map(chunk, blocks))
 
 
+def cache_length(max_model_len: int, prefix_cache: PrefixCache | None = None) -> int:
+    """Cache slots of an engine: max_model_len rounded up to the GDN chunk, or to the prefix
+    cache's block size (a block pass writes whole blocks)."""
+    unit = CHUNK if prefix_cache is None else prefix_cache.block_size
+    return -(-max_model_len // unit) * unit
+
+
 def powers_of_two(n: int) -> list[int]:
     """n as a sum of distinct powers of two, largest first: 37 -> [32, 4, 1]."""
     return [1 << i for i in reversed(range(n.bit_length())) if n >> i & 1]
@@ -468,8 +475,7 @@ class Engine:
             raise ValueError("batch_invariant=True is built for dense models; this checkpoint routes experts "
                              f"(num_experts={model.cfg.num_experts})")
         self.invariant_rows = invariant_tile_rows() if batch_invariant else None
-        unit = CHUNK if prefix_cache is None else prefix_cache.block_size
-        self.cache_len = -(-max_model_len // unit) * unit
+        self.cache_len = cache_length(max_model_len, prefix_cache)
         self.plan = plan
         self.mesh = mesh
         self.graphdef, self.params = nnx.split((model, draft))
