@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 .PHONY: demo test clean
 demo: $(STAMP)
-	$(VENV)/bin/spec-jax generate --prompt "def fibonacci(n):" --prompt "The module provides" --max-tokens 64 \
+	$(VENV)/bin/spec-jax generate --prompt "def fibonacci(n):" --prompt "The module provides" --max-tokens 128 \
 		--max-model-len 512 --ignore-eos --compare \
 		--speculative-config '{"method":"eagle3","model":"spec_jax/assets/default/eagle3","num_speculative_tokens":3}'
 
