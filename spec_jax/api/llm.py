@@ -85,8 +85,8 @@ def check_compiler_options(options: dict | None) -> None:
 DEFAULT_PREFIX_CACHE_GB = 4.0
 
 
-def prefix_caching_settings(enabled: bool, block_size: int | None, budget_gb: float | None,
-                            max_model_len: int) -> tuple[int, int | None] | None:
+def prefix_caching_settings(enabled: bool, block_size: int | None,
+                            budget_gb: float | None) -> tuple[int, int | None] | None:
     """Checked (block size, byte budget or None: not given) of the prefix store, or None when
     caching is off."""
     if not isinstance(enabled, bool):
@@ -204,8 +204,7 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
         self.max_model_len = max_model_len
         self.compiler_options = compiler_options
-        self.prefix_caching = prefix_caching_settings(enable_prefix_caching, prefix_block_size, prefix_cache_gb,
-                                                      max_model_len)
+        self.prefix_caching = prefix_caching_settings(enable_prefix_caching, prefix_block_size, prefix_cache_gb)
         if not isinstance(prefix_cache_host_gb, int | float) or not 0 <= prefix_cache_host_gb < 1e6:
             raise ValueError(f"prefix_cache_host_gb={prefix_cache_host_gb!r} must be a number of gigabytes >= 0")
         self.prefix_cache_host_bytes = int(prefix_cache_host_gb * 1e9)
