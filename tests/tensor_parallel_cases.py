@@ -157,3 +157,19 @@ def test_prefix_caching_under_tp(checkpoints):
         assert np.array_equal(np.asarray(x), np.asarray(y))
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=DRAFT_GREEDY)[0].outputs[0].token_ids
     assert out == want
+
+
+def test_batch_invariant_under_tp(checkpoints):
+    """The batch-invariant mode over two devices: greedy MTP gives plain decoding's tokens and
+    logprobs exactly, alone and in a mixed batch."""
+    llm = LLM(str(checkpoints["dense"]), tensor_parallel_size=2, batch_invariant=True, **ARGS)
+    params = dataclasses.replace(DRAFT_GREEDY, logprobs=1)
+
+    def run(llm, params):
+        outs = llm.generate(prompt_token_ids=drafter_prompts(), sampling_params=params)
+        return [(o.outputs[0].token_ids, [[(t, x.logprob) for t, x in e.items()] for e in o.outputs[0].logprobs])
+                for o in outs]
+
+    plain = run(llm, params)
+    speculating = llm.with_speculation({"method": "mtp", "num_speculative_tokens": 2})
+    assert run(speculating, [params, dataclasses.replace(params, speculative=False), params]) == plain

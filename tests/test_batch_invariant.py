@@ -114,3 +114,20 @@ def test_routed_experts_and_bad_values_are_refused(tmp_path, tiny_dir):
     with pytest.raises(ValueError, match="batch_invariant='yes' must be True or False"):
         LLM(str(tiny_dir), dtype="float32", max_model_len=64, batch_invariant="yes")
     assert build_parser().parse_args(["serve", "--batch-invariant"]).batch_invariant is True
+
+
+def test_with_prefix_caching_a_hit_and_speculation_change_nothing(tiny_dir):
+    """The mode and prefix caching together: greedy MTP from a cache hit gives plain decoding's
+    tokens and logprobs exactly."""
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=1, batch_invariant=True,
+              enable_prefix_caching=True)
+    prompt = np.random.default_rng(3).integers(0, 500, 150).tolist()
+
+    def run(llm):
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, [[(t, x.logprob) for t, x in e.items()] for e in out.logprobs]
+
+    plain = run(llm)
+    speculating = llm.with_speculation({"method": "mtp", "num_speculative_tokens": 3})
+    assert run(speculating) == plain  # a miss: the store is the speculating engine's own
+    assert run(speculating) == plain and speculating.engine.prefix_cache.hits == 128
