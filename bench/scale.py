@@ -105,11 +105,14 @@ class NgramAlwaysDrafting(NgramProposer):
 
 
 def always_drafting(llm: LLM) -> None:
-    """Swap a speculating ngram `llm`'s proposer for `NgramAlwaysDrafting` (before it compiles)."""
-    plan, inner = llm.engine.plan, llm.engine.plan.proposer.inner
-    fields = {f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)}
-    llm.engine.plan = dataclasses.replace(plan, proposer=dataclasses.replace(plan.proposer,
-                                                                              inner=NgramAlwaysDrafting(**fields)))
+    """Swap a speculating ngram `llm`'s proposer (or the one its synthetic acceptance wraps) for
+    `NgramAlwaysDrafting`, before it compiles."""
+    plan = llm.engine.plan
+    wrapped = hasattr(plan.proposer, "inner")  # under synthetic acceptance
+    inner = plan.proposer.inner if wrapped else plan.proposer
+    always = NgramAlwaysDrafting(**{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)})
+    proposer = dataclasses.replace(plan.proposer, inner=always) if wrapped else always
+    llm.engine.plan = dataclasses.replace(plan, proposer=proposer)
 
 
 def synthetic(config: dict, a: float) -> dict:
