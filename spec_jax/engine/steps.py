@@ -21,7 +21,7 @@ import math
 import os
 import time
 from functools import partial
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -205,18 +205,31 @@ def prefill_block(model: Qwen3_5Model, draft, cache, tokens, start, n_valid, *, 
     return out.cache, Block(parts, out.hidden, out.taps)
 
 
-def restore_blocks(model: Qwen3_5Model, draft, cache, blocks: tuple[Block, ...], start, *, deepest: bool):
+def restore_blocks(model: Qwen3_5Model, draft, cache, blocks: tuple[Block, ...], start, *, cache_len: int):
     """A row's caches resumed from consecutive cached blocks starting at position start []:
-    their KV slices written in place in one update, and, when the last of them is the deepest
-    block the row resumes from, its GDN caches for the row's (earlier ones would be overwritten)."""
+    their KV slices written in place in one update and, where the blocks carry them (only the
+    deepest block the row resumes from does), the GDN caches at the end of the last one.
+    cache None: a fresh row's (`init_cache`), made in the same program."""
+    if cache is None:
+        cache = init_cache(model.cfg, 1, cache_len, model.dtype)
 
     def put(c, bs):
         if isinstance(c, KVCache):
             run = [jnp.concatenate([getattr(b, name) for b in bs], axis=2) for name in ("k", "v")]
             return KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=2) for x, y in zip((c.k, c.v), run)))
-        return bs[-1] if deepest else c
+        return c if bs[-1] is None else bs[-1]
 
     return tuple(put(c, [b.cache[j] for b in blocks]) for j, c in enumerate(cache))
+
+
+def restored_parts(blocks: Sequence[Block], *, deepest: bool) -> tuple[Block, ...]:
+    """What `restore_blocks` reads of a run of blocks: their KV slices, and the GDN caches of the
+    last one when it is the deepest block the row resumes from (earlier ones would be
+    overwritten); the rest stays out of the call's arguments."""
+    def slim(block, keep_state):
+        return Block(tuple(c if isinstance(c, KVCache) or keep_state else None for c in block.cache))
+
+    return tuple(slim(b, deepest and i == len(blocks) - 1) for i, b in enumerate(blocks))
 
 
 def generated_before(state: DecodeState, drafts: jax.Array | None = None) -> jax.Array | None:
@@ -544,9 +557,12 @@ class Engine:
                          num_logprobs=num_logprobs)
             return self._compiled("prefill", fn, prompts, prompt_lengths, *rest, static=static)
         target, prompts = self._prefill_blocks(prompts, prompt_lengths, done)
-        fn = partial(start_decode, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan,
-                     num_logprobs=num_logprobs)
-        return self._compiled("start_decode", fn, target, prompts, prompt_lengths, *rest, static=static)
+        start = partial(start_decode, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan,
+                        num_logprobs=num_logprobs)
+        # The caches go in donated: the state takes them over instead of a copy.
+        fn = lambda model, draft, cache, hidden, taps, *a: start(model, draft, ForwardOut(hidden, cache, taps), *a)  # noqa: E731
+        return self._compiled("start_decode", fn, target.cache, target.hidden, target.taps, prompts, prompt_lengths,
+                              *rest, static=static, donate=(0,))
 
     def _prefill_blocks(self, prompts, prompt_lengths, done) -> tuple[ForwardOut, jax.Array]:
         """Prefix caching: each live row's prompt resumes from its deepest cached block and runs
@@ -558,22 +574,23 @@ class Engine:
         tokens, lengths, padding = np.asarray(prompts), np.asarray(prompt_lengths), np.asarray(done)
         width = -(-tokens.shape[1] // C) * C
         tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
-        empty = partial(init_cache, self.cfg, 1, self.cache_len)
+        fresh = partial(self._compiled, "empty_row", lambda model, draft: init_cache(model.cfg, 1, self.cache_len,
+                                                                                      model.dtype))
         run_block = partial(prefill_block, cache_len=self.cache_len, plan=self.plan)
         caches, outputs = [], []  # per row: its caches, and the target's outputs [1, C, ...] block by block
         for b in range(tokens.shape[0]):
-            cache = self._compiled("empty_row", lambda model, draft: empty(model.dtype))
+            cache = None
             outputs.append([])
             if not padding[b]:
                 ids = tokens[b, :lengths[b]].tolist()
                 found, keys = store.lookup(ids), store.keys(ids)
                 restored = 0
                 for run in powers_of_two(len(found)):  # few programs, few calls: one per power of two
-                    deepest = restored + run == len(found)
-                    cache = self._compiled("restore_blocks", partial(restore_blocks, deepest=deepest), cache,
-                                           tuple(found[restored:restored + run]), jnp.asarray(restored * C, jnp.int32),
-                                           static=(deepest,), donate=(0,))
+                    parts = restored_parts(found[restored:restored + run], deepest=restored + run == len(found))
+                    cache = self._compiled("restore_blocks", partial(restore_blocks, cache_len=self.cache_len), cache,
+                                           parts, jnp.asarray(restored * C, jnp.int32), donate=(0,))
                     restored += run
+                cache = fresh() if cache is None else cache
                 outputs[-1] += [(blk.hidden, blk.taps) for blk in found]
                 for i in range(restored, -(-len(ids) // C)):
                     chunk = jnp.asarray(tokens[b:b + 1, i * C:(i + 1) * C])
@@ -585,7 +602,7 @@ class Engine:
                     if i < min(len(keys), store.room(kept)):  # a full block, within what the budget holds
                         store.put(keys[i], kept)
                 store.touch(keys)
-            caches.append(cache)
+            caches.append(fresh() if cache is None else cache)
         hidden, taps = self._assemble_outputs(outputs, width)
         cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *caches)
         return ForwardOut(hidden, cache, taps), jnp.asarray(tokens)
