@@ -3,11 +3,15 @@ time against XLA's version of the same op: inside one jitted fori_loop or as bac
 calls, and (quantized matmuls, chunked prefill) as GPU time from a profiler trace, which is what
 the comparisons with XLA's dots and flash-linear-attention's kernels use.
 
-    python -m bench.kernels [--only gdn|quant|chunked|experts] --json out.jsonl
+    python -m bench.kernels [--only gdn|quant|chunked|experts|attention] --json out.jsonl
 
 GDN recurrent (decode T = 1, verify T = k + 1 with every state kept) at Qwen3.5 head layouts
 (16 key heads; 16 / 32 / 48 value heads; dk = dv = 128). Bytes counted: q, k, v, gates read once,
 the state read and written once (plus T states written when kept), outputs written once.
+
+Flash attention (prefill) at the 27B attention shape (24 query / 4 key heads, d = 256, bf16): a
+block of T queries at the end of a context of S slots (a prefix-cache block pass: 256 after 16k)
+and a whole prompt (T = S), against XLA's masked softmax (`attend_masked`).
 
 Routed experts (decode and verify sizes of 1 to 8 tokens) at Qwen3.6-35B-A3B dims (256 experts of
 hidden 2048, inner 512, 8 chosen): the Pallas kernels' tilings against the gathering reference and
@@ -28,7 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.layers import attend_masked
 from pallas_kernels import expert_matmul
+from pallas_kernels.flash_attention import flash_attention_pallas
 from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
 from pallas_kernels.nvfp4_mma_mosaic import MAX_ROWS as MOSAIC_MAX_ROWS
@@ -337,6 +343,29 @@ def chunked_cases(rng, tokens):
     return rows
 
 
+def attention_cases(rng, shapes=((256, 16640), (4096, 4096), (16384, 16384))) -> list[dict]:
+    """Flash attention against XLA's masked softmax for (T queries, S slots): the queries are the
+    last T positions of the context; error relative to XLA's in float32."""
+    rows = []
+    for T, S in shapes:
+        nq, nkv, d = 24, 4, 256
+        f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)  # noqa: E731
+        q, k, v = f(1, T, nq, d), f(1, S, nkv, d), f(1, S, nkv, d)
+        pos = jnp.arange(S - T, S, dtype=jnp.int32)[None]
+        xla = lambda q, k, v, pos: attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None] <= pos[:, :, None])  # noqa: E731
+        want = jax.jit(lambda *a: xla(*(x.astype(jnp.float32) for x in a[:3]), a[3]))(q, k, v, pos)
+        row = {"op": "flash_attention", "T": T, "S": S,
+               "rel_err_flash": max_rel_error([flash_attention_pallas(q, k, v, pos).astype(jnp.float32)], [want]),
+               "rel_err_xla_bf16": max_rel_error([jax.jit(xla)(q, k, v, pos).astype(jnp.float32)], [want]),
+               "flash_us": call_time_us(flash_attention_pallas, (q, k, v, pos)),
+               "xla_us": call_time_us(xla, (q, k, v, pos))}
+        # causal FLOPs: QK^T and PV over the visible half-triangle plus the rectangle before it
+        row["flash_TFLOP_s"] = 4 * nq * d * T * (S - T / 2) / row["flash_us"] / 1e6
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def expert_cases(rng, ceiling, tokens=(1, 8), E=256, H=2048, inner=512, k=8, id_sets=8) -> list[dict]:
     key_gu, key_down = jax.random.split(jax.random.key(0))  # made on the device: 1.6 GB
     gate_up = jax.random.normal(key_gu, (E, 2 * inner, H), jnp.bfloat16) / np.sqrt(H).astype(np.float32)
@@ -370,7 +399,7 @@ def expert_cases(rng, ceiling, tokens=(1, 8), E=256, H=2048, inner=512, k=8, id_
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", choices=["gdn", "quant", "chunked", "experts"], default=None)
+    ap.add_argument("--only", choices=["gdn", "quant", "chunked", "experts", "attention"], default=None)
     ap.add_argument("--tokens", type=int, nargs="+", default=[130, 4096, 16384], help="chunked prefill lengths")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64], help="quantized matmul activation rows")
     ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS), help="quantized weight formats")
@@ -392,6 +421,8 @@ def main() -> None:
                 row = gdn_case(B, T, nv, keep, rng)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    if args.only in (None, "attention"):
+        rows += attention_cases(rng)
     if args.only in (None, "chunked"):  # last: FLA's torch profiler leaves JAX's traces empty
         rows += chunked_cases(rng, args.tokens)
     if args.json:

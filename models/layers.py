@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.batch_invariant import invariant_rows, row_tiled
+from pallas_kernels.flash_attention import flash_attention, use_flash_attention
 from pallas_kernels.quant_formats import QuantizedWeight, quantize
 from pallas_kernels.quant_matmul import quant_matmul
 
@@ -286,7 +287,10 @@ def attend_block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
     """Causal GQA attention of new queries over a cache: q [B, T, nq, d]; k, v [B, S, nkv, d]
-    (cache slots 0..S-1); q_pos [B, T]. Slot j is visible to a query at position p iff j <= p."""
+    (cache slots 0..S-1); q_pos [B, T]. Slot j is visible to a query at position p iff j <= p.
+    Prefill-sized passes on a GPU run the flash kernel, others this masked softmax."""
+    if use_flash_attention(q, k):
+        return flash_attention(q, k, v, q_pos)
     return attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])
 
 

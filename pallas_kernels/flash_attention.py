@@ -1,0 +1,124 @@
+"""Causal GQA attention of a block of queries over a cache: prefill and prefix-cache block passes.
+
+    o[t] = softmax_j(q[t] . k[j] / sqrt(d), over cache slots j <= pos[t]) @ v
+
+`models.layers.attend` runs this Pallas (Triton) flash kernel on a GPU for passes of `BLOCK_Q` or
+more queries (`use_flash_attention`), and its reference, XLA's masked softmax
+(`models.layers.attend_masked`), elsewhere. XLA writes every [T, S] score matrix to memory and reads it back for
+the softmax; a 256-token block attending to a 16k-token prefix at 27B dims spends more time on
+that than on its projections. The kernel keeps a [BLOCK_Q, d] output tile and its running max and
+sum in registers while it walks the key blocks (online softmax), and stops at the last key block
+its queries can see.
+
+One program per (row, query head, block of BLOCK_Q queries, range of keys); query head h reads key
+head h // (nq // nkv). A pass with few query blocks splits its keys into ranges so the GPU has
+enough programs, and the ranges' partial outputs merge by their running maxima (`key_splits`). Decode and verify (T < BLOCK_Q) stay on XLA, whose masked einsum serves a
+handful of query rows well.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.batch_invariant import invariant_rows
+from pallas_kernels.tensor_parallel import on_axis, per_device
+
+BLOCK_Q = 64  # query rows a program holds: the output tile [64, d] in float32 registers
+BLOCK_K = 32  # cache slots a loop iteration scores: [64, 32] scores next to the output tile
+# Programs enough to fill the H200's 132 SMs about twice: a short block of queries over a long
+# cache (256 after 16k: 96 programs of (head, query block)) splits its key range to get there.
+TARGET_PROGRAMS = 264
+
+
+def _flash_kernel(q_ref, k_ref, v_ref, pos_ref, acc_ref, max_ref, sum_ref, *, block_k: int, per_split: int):
+    """One (row, query head, query block, key split): q [BQ, d]; k, v [S, d] (the row's cache
+    for the query head's key head); pos [BQ] the queries' positions. Walks key blocks
+    [split * per_split, (split + 1) * per_split) up to the last one a query sees and writes the
+    unnormalised output acc [BQ, d], the running max [BQ] and the sum of exponentials [BQ]."""
+    q = q_ref[...]
+    pos = pos_ref[...]
+    S, d = k_ref.shape
+    first = pl.program_id(3) * per_split
+    last = jnp.minimum(jnp.minimum(jnp.max(pos) // block_k + 1, S // block_k), first + per_split)
+
+    def step(j, carry):
+        m, total, acc = carry
+        at = pl.multiple_of(j * block_k, block_k)
+        k = k_ref[pl.ds(at, block_k), :]
+        v = v_ref[pl.ds(at, block_k), :]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * d**-0.5
+        s = jnp.where(at + jnp.arange(block_k)[None, :] <= pos[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp(m - m_new)  # rescales what earlier blocks summed to the new running max
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, total * alpha + jnp.sum(p, axis=1), acc
+
+    BQ = q.shape[0]
+    # A finite start for the max: a split whose keys no query sees keeps it, and weighs nothing.
+    init = (jnp.full((BQ,), -1e30, jnp.float32), jnp.zeros((BQ,), jnp.float32), jnp.zeros((BQ, d), jnp.float32))
+    m, total, acc = jax.lax.fori_loop(first, jnp.maximum(last, first), step, init)
+    acc_ref[...] = acc
+    max_ref[...] = m
+    sum_ref[...] = total
+
+
+def key_splits(B: int, T: int, nq: int, S: int) -> int:
+    """How many ranges a pass's keys split into: enough programs for `TARGET_PROGRAMS`, at least
+    4 key blocks a range."""
+    programs = B * nq * (T // BLOCK_Q)
+    return max(1, min(-(-TARGET_PROGRAMS // programs), S // BLOCK_K // 4))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "splits"))
+def flash_attention_pallas(q, k, v, q_pos, *, splits: int | None = None, interpret: bool = False):
+    """The Pallas kernel. q [B, T, nq, d]; k, v [B, S, nkv, d] (cache slots 0..S-1); q_pos [B, T]
+    int32. Returns o [B, T, nq, d] in q's dtype. T a multiple of BLOCK_Q, S of BLOCK_K, d a power
+    of two (`kernel_fits`). splits: key ranges scored by programs of their own and merged here
+    (None: `key_splits`)."""
+    B, T, nq, d = q.shape
+    S, nkv = k.shape[1], k.shape[2]
+    rep, n = nq // nkv, splits or key_splits(B, T, nq, S)
+    per_split = -(-(S // BLOCK_K) // n)
+    q_pos = jnp.clip(q_pos.astype(jnp.int32), 0, S - 1)  # padding queries may point past the cache
+    queries = pl.BlockSpec((None, BLOCK_Q, None, d), lambda b, h, i, s: (b, i, h, 0))
+    cache = pl.BlockSpec((None, S, None, d), lambda b, h, i, s: (b, 0, h // rep, 0))
+    positions = pl.BlockSpec((None, BLOCK_Q), lambda b, h, i, s: (b, i))
+    partial_out = pl.BlockSpec((None, None, BLOCK_Q, None, d), lambda b, h, i, s: (s, b, i, h, 0))
+    partial_row = pl.BlockSpec((None, None, BLOCK_Q, None), lambda b, h, i, s: (s, b, i, h))
+    acc, m, total = pl.pallas_call(
+        functools.partial(_flash_kernel, block_k=BLOCK_K, per_split=per_split),
+        out_shape=[jax.ShapeDtypeStruct((n, B, T, nq, d), jnp.float32),
+                   jax.ShapeDtypeStruct((n, B, T, nq), jnp.float32), jax.ShapeDtypeStruct((n, B, T, nq), jnp.float32)],
+        grid=(B, nq, T // BLOCK_Q, n),
+        in_specs=[queries, cache, cache, positions],
+        out_specs=[partial_out, partial_row, partial_row],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="flash_attention",
+    )(q, k.astype(q.dtype), v.astype(q.dtype), q_pos)
+    weight = jnp.exp(m - jnp.max(m, axis=0))  # each split's share, against the largest max over splits
+    out = jnp.sum(acc * weight[..., None], axis=0) / jnp.sum(total * weight, axis=0)[..., None]
+    return out.astype(q.dtype)
+
+
+def kernel_fits(q, k) -> bool:
+    """Shapes the kernel takes: whole query blocks, whole key blocks, a power-of-two head dim."""
+    T, d, S = q.shape[1], q.shape[-1], k.shape[1]
+    return T >= BLOCK_Q and T % BLOCK_Q == 0 and S % BLOCK_K == 0 and d & (d - 1) == 0 and d >= 16
+
+
+def use_flash_attention(q, k) -> bool:
+    """Whether `attend` runs this kernel: on a GPU, outside batch-invariant mode (whose per-row
+    tiles are what make a token's output the same in decode and in prefill), for shapes it takes."""
+    return jax.default_backend() == "gpu" and invariant_rows() is None and kernel_fits(q, k)
+
+
+def flash_attention(q, k, v, q_pos):
+    """`flash_attention_pallas`, under a tensor-parallel mesh per device on the heads it holds."""
+    heads = on_axis(4, 2)
+    return per_device(flash_attention_pallas, (heads, heads, heads, jax.sharding.PartitionSpec()), heads)(
+        q, k, v, q_pos)

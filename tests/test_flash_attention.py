@@ -1,0 +1,67 @@
+"""The Pallas flash-attention kernel in interpret mode against `attend_masked` (XLA's masked
+softmax): a prefill from slot 0, a block of queries in the middle of a longer cache (a prefix-cache
+block pass), padding queries pointing past the cache, and GQA groups."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.layers import attend_masked
+from pallas_kernels.flash_attention import BLOCK_K, BLOCK_Q, flash_attention_pallas, kernel_fits, key_splits
+
+
+def random_qkv(seed, B, T, S, nq, nkv, d):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (B, T, nq, d)), jax.random.normal(kk, (B, S, nkv, d)),
+            jax.random.normal(kv, (B, S, nkv, d)))
+
+
+def causal_reference(q, k, v, q_pos):
+    return attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("B,T,S,nq,nkv,start", [
+    (1, BLOCK_Q, BLOCK_Q, 2, 1, (0,)),                        # a prompt's prefill: T = S
+    (2, BLOCK_Q, 4 * BLOCK_Q, 4, 2, (2 * BLOCK_Q, BLOCK_Q + 7)),  # a block deep in the cache, per-row starts
+    (1, 2 * BLOCK_Q, 3 * BLOCK_Q, 4, 1, (BLOCK_Q - BLOCK_K,)),   # two query blocks seeing different key ranges
+])
+def test_kernel_matches_the_masked_softmax(B, T, S, nq, nkv, start, splits):
+    q, k, v = random_qkv(0, B, T, S, nq, nkv, 16)
+    q_pos = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(T)[None]
+    q_pos = jnp.minimum(q_pos, S - 1)
+    out = flash_attention_pallas(q, k, v, q_pos, splits=splits, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(causal_reference(q, k, v, q_pos)), rtol=2e-5, atol=2e-5)
+
+
+def test_queries_past_the_cache_see_all_of_it():
+    """Padding tokens of a bucket may sit at positions past the cache: they attend to every slot
+    (their output is never read, but it must be finite)."""
+    q, k, v = random_qkv(1, 1, BLOCK_Q, BLOCK_Q, 2, 2, 16)
+    q_pos = jnp.full((1, BLOCK_Q), 10 * BLOCK_Q, jnp.int32)
+    out = flash_attention_pallas(q, k, v, q_pos, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(causal_reference(q, k, v, q_pos)), rtol=2e-5, atol=2e-5)
+
+
+def test_bf16_inputs_give_bf16_outputs_close_to_the_reference():
+    q, k, v = (x.astype(jnp.bfloat16) for x in random_qkv(2, 1, BLOCK_Q, 2 * BLOCK_Q, 2, 1, 32))
+    q_pos = BLOCK_Q // 2 + jnp.arange(BLOCK_Q)[None]
+    out = flash_attention_pallas(q, k, v, q_pos, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    want = causal_reference(*(x.astype(jnp.float32) for x in (q, k, v)), q_pos)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=3e-2)
+
+
+def test_shapes_the_kernel_refuses_stay_on_the_reference():
+    q, k, _ = random_qkv(3, 1, BLOCK_Q, BLOCK_Q, 2, 1, 16)
+    assert kernel_fits(q, k)
+    assert not kernel_fits(q[:, :8], k)                   # decode / verify: too few queries
+    assert not kernel_fits(q, k[:, :BLOCK_Q - 1])         # a cache not in whole key blocks
+    assert not kernel_fits(jnp.zeros((1, BLOCK_Q, 2, 24)), jnp.zeros((1, BLOCK_Q, 1, 24)))  # head dim 24
+
+
+def test_short_passes_over_long_caches_split_their_keys():
+    assert key_splits(1, 256, 24, 16640) == 3      # a prefix-cache block pass at 27B dims: 96 -> 288 programs
+    assert key_splits(1, 16384, 24, 16384) == 1    # a long prompt has programs enough
+    assert key_splits(1, BLOCK_Q, 2, 4 * BLOCK_K) == 1  # never fewer than 4 key blocks a range
