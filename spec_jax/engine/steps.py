@@ -207,16 +207,20 @@ def prefill_block(model: Qwen3_5Model, draft, cache, tokens, start, n_valid, *, 
 
 def restore_blocks(model: Qwen3_5Model, draft, cache, blocks: tuple[Block, ...], start, *, cache_len: int):
     """A row's caches resumed from consecutive cached blocks starting at position start []:
-    their KV slices written in place in one update and, where the blocks carry them (only the
+    their KV slices written in place and, where the blocks carry them (only the
     deepest block the row resumes from does), the GDN caches at the end of the last one.
     cache None: a fresh row's (`init_cache`), made in the same program."""
     if cache is None:
         cache = init_cache(model.cfg, 1, cache_len, model.dtype)
 
     def put(c, bs):
-        if isinstance(c, KVCache):
-            run = [jnp.concatenate([getattr(b, name) for b in bs], axis=2) for name in ("k", "v")]
-            return KVCache(*(jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=2) for x, y in zip((c.k, c.v), run)))
+        if isinstance(c, KVCache):  # block by block in place: no concatenated copy of the run
+            def write(x, name):
+                for i, b in enumerate(bs):
+                    part = getattr(b, name)
+                    x = jax.lax.dynamic_update_slice_in_dim(x, part, start + i * part.shape[2], axis=2)
+                return x
+            return KVCache(write(c.k, "k"), write(c.v, "v"))
         return c if bs[-1] is None else bs[-1]
 
     return tuple(put(c, [b.cache[j] for b in blocks]) for j, c in enumerate(cache))
