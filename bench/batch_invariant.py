@@ -94,7 +94,7 @@ def method_list(args, cfg) -> list[tuple[str, dict, object]]:
 def equality(args, model_or_path, cfg, prompts, record) -> None:
     """Every method's greedy tokens against plain batch-1 decoding, in each mode, at each batch:
     a row each to record(row)."""
-    methods = method_list(args, cfg)
+    methods = [m for m in method_list(args, cfg) if args.methods is None or m[0].startswith(tuple(args.methods))]
     for invariant in [mode == "on" for mode in args.modes]:
         for batch in sorted(set(args.batch) | {1}):  # batch 1's plain run is the reference
             llm = LLM(model=model_or_path, max_num_seqs=batch, batch_invariant=invariant,
@@ -147,6 +147,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64, help="the shortest prompt (others up to 63 longer)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="rows per batch")
+    ap.add_argument("--methods", nargs="+", default=None, help="equality: only methods whose name starts so")
     ap.add_argument("--modes", nargs="+", choices=["on", "off"], default=["on", "off"], help="equality: which modes")
     ap.add_argument("--cost", action="store_true", help="time the mode against the default instead")
     ap.add_argument("--out", required=True, help="write OUT.json")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.batch_invariant import invariant_rows
 from pallas_kernels.gdn_common import L2_EPS, prepare_qk
 from pallas_kernels.tensor_parallel import on_axis, per_device
 
@@ -151,7 +152,9 @@ def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
     """Dispatcher for the recurrent gated delta rule (see `gdn_recurrent_reference`): the Pallas
     kernel on a GPU where it measured faster, the reference otherwise; under a tensor-parallel
     mesh, per device on the heads it holds (value head j reads key head j // (nv // nk), so a
-    device holding a contiguous block of both has all it needs)."""
+    device holding a contiguous block of both has all it needs). In batch-invariant mode every
+    pass runs the rolled reference, whose per-token step is one program whatever T is (the kernel
+    and XLA's unrolled fusions round differently)."""
     heads, gates, state_spec = on_axis(4, 2), on_axis(3, 2), on_axis(4, 1)
     out_specs = (heads, state_spec) + ((on_axis(5, 2),) if keep_states else ())
     local = functools.partial(_gdn_recurrent_local, keep_states=keep_states)
@@ -159,6 +162,8 @@ def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
 
 
 def _gdn_recurrent_local(q, k, v, g, beta, state, *, keep_states: bool):
+    if invariant_rows() is not None:  # one program for every pass length: the rolled loop's step
+        return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states, unroll=False)
     wins = q.shape[1] >= KERNEL_MIN_TOKENS and not keep_states
     if jax.default_backend() == "gpu" and wins and kernel_fits(q, v):
         return gdn_recurrent_pallas(q, k, v, g, beta, state, keep_states=keep_states)

@@ -98,6 +98,27 @@ def test_greedy_speculation_reproduces_plain_decoding_bitwise(invariant_llm, dra
     assert speculating.metrics["num_draft_tokens"] > 0
 
 
+def test_on_a_gpu_the_mode_keeps_every_gdn_pass_on_one_program(monkeypatch):
+    """The GPU runs verify passes of 4+ tokens through the Pallas kernel and shorter ones through
+    XLA's unrolled steps, which round differently; in the mode the dispatcher gives every pass
+    length the rolled reference instead (on the CPU the kernel call would fail, so reaching it
+    fails this test)."""
+    from pallas_kernels import gdn_recurrent as gdn
+
+    rng = np.random.default_rng(1)
+    B, T, nk, nv, d = 2, 4, 2, 4, 32  # shapes the kernel takes
+    q, k = (jnp.asarray(rng.normal(size=(B, T, nk, d)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(B, T, nv, d)), jnp.float32)
+    g, beta = -jnp.asarray(rng.uniform(size=(B, T, nv)), jnp.float32), jnp.asarray(rng.uniform(size=(B, T, nv)))
+    state = jnp.asarray(rng.normal(size=(B, nv, d, d)), jnp.float32)
+    monkeypatch.setattr(gdn.jax, "default_backend", lambda: "gpu")
+    with batch_invariant(8):
+        o, final = gdn.gdn_recurrent(q, k, v, g, beta, state)
+        want_o, want_final = gdn.gdn_recurrent_reference(q, k, v, g, beta, state, unroll=False)
+    np.testing.assert_array_equal(o, want_o)
+    np.testing.assert_array_equal(final, want_final)
+
+
 def test_row_tiled_is_the_plain_call_outside_the_mode():
     x = jnp.arange(12.0).reshape(3, 4)
     np.testing.assert_array_equal(row_tiled(lambda t: t * 2, x), x * 2)
