@@ -4,16 +4,16 @@
 
 `models.layers.attend` runs this Pallas (Triton) flash kernel on a GPU for passes of `BLOCK_Q` or
 more queries (`use_flash_attention`), and its reference, XLA's masked softmax
-(`models.layers.attend_masked`), elsewhere. XLA writes every [T, S] score matrix to memory and reads it back for
-the softmax; a 256-token block attending to a 16k-token prefix at 27B dims spends more time on
-that than on its projections. The kernel keeps a [BLOCK_Q, d] output tile and its running max and
+(`models.layers.attend_masked`), elsewhere. XLA writes every [T, S] score matrix to memory and
+reads it back for the softmax; the kernel keeps a [BLOCK_Q, d] output tile and its running max and
 sum in registers while it walks the key blocks (online softmax), and stops at the last key block
 its queries can see.
 
 One program per (row, query head, block of BLOCK_Q queries, range of keys); query head h reads key
-head h // (nq // nkv). A pass with few query blocks splits its keys into ranges so the GPU has
-enough programs, and the ranges' partial outputs merge by their running maxima (`key_splits`). Decode and verify (T < BLOCK_Q) stay on XLA, whose masked einsum serves a
-handful of query rows well.
+head h // (nq // nkv). A pass with few query blocks over a long cache (a prefix-cache block pass)
+splits its keys into ranges so the GPU has enough programs, and the ranges' partial outputs merge
+by their running maxima (`key_splits`). Decode and verify (T < BLOCK_Q) stay on XLA, whose masked
+einsum serves a handful of query rows well.
 """
 
 import functools
