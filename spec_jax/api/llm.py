@@ -326,15 +326,21 @@ class LLM:
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | np.ndarray):
             raise ValueError(f"{what} must be a list of token ids, got {ids!r}")
-        wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
-        if wrong:
-            raise ValueError(f"{what} has {wrong[0]!r} ({type(wrong[0]).__name__}) where a token id (an integer) "
-                             f"belongs")
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError(f"{what} is empty; a prompt needs at least one token")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
+        # Integers in range, checked by their set of types and as one array (a 16k-token prompt
+        # took 11 ms element by element).
+        kinds = {ids.dtype.type} if isinstance(ids, np.ndarray) else set(map(type, ids))
+        integers = all(issubclass(k, (int, np.integer)) and k is not bool for k in kinds)
+        array = np.asarray(ids) if integers and len(ids) else None
+        if array is not None and array.ndim == 1 and 0 <= array.min() and array.max() < self.cfg.vocab_size:
+            ids = array.tolist()
+        else:  # find the value to name in the error
+            wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+            if wrong:
+                raise ValueError(f"{what} has {wrong[0]!r} ({type(wrong[0]).__name__}) where a token id (an integer) "
+                                 f"belongs")
+            if not len(ids):
+                raise ValueError(f"{what} is empty; a prompt needs at least one token")
+            bad = [int(t) for t in ids if not 0 <= t < self.cfg.vocab_size]
             raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
