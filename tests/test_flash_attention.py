@@ -65,3 +65,18 @@ def test_short_passes_over_long_caches_split_their_keys():
     assert key_splits(1, 256, 24, 16640) == 3      # a prefix-cache block pass at 27B dims: 96 -> 288 programs
     assert key_splits(1, 16384, 24, 16384) == 1    # a long prompt has programs enough
     assert key_splits(1, BLOCK_Q, 2, 4 * BLOCK_K) == 1  # never fewer than 4 key blocks a range
+
+
+def test_the_gpu_runs_it_for_prefill_but_not_in_batch_invariant_mode(monkeypatch):
+    """Batch-invariant mode needs one program per token in every pass (XLA's per-row tiles), so
+    the kernel, which only prefill-sized passes take, stays out of it."""
+    from pallas_kernels import flash_attention as fa
+    from pallas_kernels.batch_invariant import batch_invariant
+
+    q, k, _ = random_qkv(4, 1, BLOCK_Q, BLOCK_Q, 2, 1, 16)
+    assert not fa.use_flash_attention(q, k)  # the CPU: the reference
+    monkeypatch.setattr(fa.jax, "default_backend", lambda: "gpu")
+    assert fa.use_flash_attention(q, k)
+    assert not fa.use_flash_attention(q[:, :1], k)  # decode
+    with batch_invariant(8):
+        assert not fa.use_flash_attention(q, k)
