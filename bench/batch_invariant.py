@@ -80,7 +80,7 @@ def greedy(llm: LLM, prompts, new_tokens: int) -> tuple[list[list[int]], dict]:
 def method_list(args, cfg) -> list[tuple[str, dict, object]]:
     """(name, speculative config, drafter network or None) for each method to compare."""
     if args.model:
-        specs = speculative_configs(Path(args.model), has_mtp=True)
+        specs = speculative_configs(Path(args.model), has_mtp=cfg.mtp_num_hidden_layers > 0)
         return [(f"{s['method']} k={s['num_speculative_tokens']}", s, None) for s in specs] + [("oracle k=3", ORACLE,
                                                                                               None)]
     out = []
@@ -164,8 +164,8 @@ def main(argv=None) -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
 
     if args.model:
-        model, cfg = args.model, None
         base = LLM(model=args.model, max_model_len=args.prompt_tokens + 64)
+        model, cfg = args.model, base.cfg
         prompts = mixed_prompts(prompts_for("code", argparse.Namespace(corpus=None, prompts=args.prompts,
                                                                        prompt_tokens=args.prompt_tokens + 64), base),
                                 args.prompt_tokens)

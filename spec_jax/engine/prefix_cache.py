@@ -114,16 +114,17 @@ class PrefixCache:
             out.append(h)
         return out
 
-    def lookup(self, tokens: Sequence[int]) -> list[Block]:
+    def lookup(self, tokens: Sequence[int], keys: Sequence[bytes] | None = None) -> list[Block]:
         """The cached blocks a prompt can resume from, deepest last: the longest run of cached
         blocks from its start, leaving at least its last token to run (its logits draw the first
         token); blocks found in host memory come back to the device. A prompt longer than a block
         counts as a query of its tokens (a shorter one can never hit), its cached blocks' tokens
-        as hits."""
+        as hits. keys: `keys(tokens)` if the caller has them already."""
         if len(tokens) <= self.block_size:
             return []
-        keys, found = [], []  # found: the blocks themselves, as a copy back may evict ones found earlier
-        for key in self.keys(tokens[:len(tokens) - 1]):
+        keys = self.keys(tokens) if keys is None else keys
+        seen, found = [], []  # found: the blocks themselves, as a copy back may evict ones found earlier
+        for key in keys[:(len(tokens) - 1) // self.block_size]:
             if key in self.device.blocks:
                 self.device.blocks.move_to_end(key)
                 block = self.device.blocks[key][0]
@@ -134,9 +135,9 @@ class PrefixCache:
                 self.host_hits += self.block_size
             else:
                 break
-            keys.append(key)
+            seen.append(key)
             found.append(block)
-        self.touch(keys)
+        self.touch(seen)
         self.queries += len(tokens)
         self.hits += len(found) * self.block_size
         return found

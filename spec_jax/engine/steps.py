@@ -587,7 +587,8 @@ class Engine:
             outputs.append([])
             if not padding[b]:
                 ids = tokens[b, :lengths[b]].tolist()
-                found, keys = store.lookup(ids), store.keys(ids)
+                keys = store.keys(ids)
+                found = store.lookup(ids, keys)
                 restored = 0
                 for run in powers_of_two(len(found)):  # few programs, few calls: one per power of two
                     parts = restored_parts(found[restored:restored + run], deepest=restored + run == len(found))
