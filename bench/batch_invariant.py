@@ -102,19 +102,21 @@ def equality(args, model_or_path, cfg, prompts, record) -> None:
             plain, run = greedy(llm, prompts, args.new_tokens)
             if batch == 1:
                 reference, reference_llm = plain, llm
-            runs = [("off", plain, run)] if batch > 1 else []
-            for name, config, draft in methods:
-                spec = llm.with_speculation(config, draft=draft)
-                if config["method"] == "ngram" and not args.model:
-                    always_drafting(spec)
-                tokens, run = greedy(spec, prompts, args.new_tokens)
-                runs.append((name, tokens, run))
-            for name, tokens, run in runs:
+
+            def compare(name, tokens, run):  # recorded as each run ends: a run cut short keeps the rows before
                 where = [first_divergence(reference_llm, p, got, want) for p, got, want in zip(prompts, tokens,
                                                                                                 reference)]
                 record({"batch_invariant": invariant, "batch": batch, "method": name,
                         "same": sum(w is None for w in where), "prompts": len(prompts),
                         "divergences": [w for w in where if w is not None], **run})
+
+            if batch > 1:
+                compare("off", plain, run)
+            for name, config, draft in methods:
+                spec = llm.with_speculation(config, draft=draft)
+                if config["method"] == "ngram" and not args.model:
+                    always_drafting(spec)
+                compare(name, *greedy(spec, prompts, args.new_tokens))
 
 
 def cost(args, model, cfg, record) -> None:
