@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.batch_invariant import invariant_rows, row_tiled
+from pallas_kernels.fixed_order_matmul import fixed_order_matmul_pallas, use_fixed_order_matmul
 from pallas_kernels.flash_attention import flash_attention, use_flash_attention
 from pallas_kernels.quant_formats import QuantizedWeight, quantize
 from pallas_kernels.quant_matmul import quant_matmul
@@ -134,7 +135,10 @@ class Linear(nnx.Module):
             y = quant_matmul(x, self.quantized(), split=self.split)
         else:
             w = self.weight[...]
-            y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+            if use_fixed_order_matmul(x, w):
+                y = fixed_order_matmul_pallas(x, w)
+            else:
+                y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
     def quantized(self) -> QuantizedWeight:

@@ -5,14 +5,19 @@ rows, so the same token's logits differ in the last bits between a one-token dec
 (k+1)-token verify pass, a prefill and another batch size, and greedy speculation can leave plain
 decoding at a near-tie. In this mode every computation that mixes values within a token (the
 projections, norms, the lm_head, attention) runs on fixed-shape tiles of `rows` tokens, one tile
-at a time, with an optimization barrier on each tile so XLA compiles the tile the same way in
-every program; a token's result then depends only on its own inputs. GDN runs its recurrent rule
+at a time, behind an optimization barrier that keeps XLA from fusing a tile with the ops around
+it; a token's result then depends only on its own inputs. GDN runs its recurrent rule
 token by token (the chunked rule is another order of the same sums), and attention always spans
 the whole cache.
 
-XLA computes each tile (a projection reads its weights once per tile of `rows` tokens). The mode
-is entered with `batch_invariant(rows)` around tracing, as `spec_jax.engine.steps.Engine` does;
-the layers call `row_tiled`, which is the plain call outside it.
+On the CPU XLA computes each tile: a fixed-shape tile compiles to one loop nest whatever program
+holds it. On a GPU XLA chooses a matmul's algorithm per program (cuBLAS or Triton, tiles, split of
+the reduction, by autotuning), so there the sums that mix a token's values run in Pallas kernels
+whose order XLA cannot change: the projections and the lm_head in `fixed_order_matmul` (one tile
+of rows at a time), attention in the flash kernel (whole query blocks, one key range) and the
+gated delta rule in its recurrent kernel called token by token. The mode is entered with
+`batch_invariant(rows)` around tracing, as `spec_jax.engine.steps.Engine` does; the layers call
+`row_tiled`, which is the plain call outside it.
 """
 
 from __future__ import annotations

@@ -3,17 +3,17 @@
     o[t] = softmax_j(q[t] . k[j] / sqrt(d), over cache slots j <= pos[t]) @ v
 
 `models.layers.attend` runs this Pallas (Triton) flash kernel on a GPU for passes of `BLOCK_Q` or
-more queries (`use_flash_attention`), and its reference, XLA's masked softmax
-(`models.layers.attend_masked`), elsewhere. XLA writes every [T, S] score matrix to memory and
-reads it back for the softmax; the kernel keeps a [BLOCK_Q, d] output tile and its running max and
-sum in registers while it walks the key blocks (online softmax), and stops at the last key block
-its queries can see.
+more queries, and for every pass in batch-invariant mode (`use_flash_attention`), and its
+reference, XLA's masked softmax (`models.layers.attend_masked`), elsewhere. XLA writes every
+[T, S] score matrix to memory and reads it back for the softmax; the kernel keeps a [BLOCK_Q, d]
+output tile and its running max and sum in registers while it walks the key blocks (online
+softmax), and stops at the last key block its queries can see.
 
 One program per (row, query head, block of BLOCK_Q queries, range of keys); query head h reads key
 head h // (nq // nkv). A pass with few query blocks over a long cache (a prefix-cache block pass)
 splits its keys into ranges so the GPU has enough programs, and the ranges' partial outputs merge
 by their running maxima (`key_splits`). Decode and verify (T < BLOCK_Q) stay on XLA, whose masked
-einsum serves a handful of query rows well.
+einsum serves a handful of query rows well, except in batch-invariant mode.
 """
 
 import functools
@@ -111,14 +111,37 @@ def kernel_fits(q, k) -> bool:
     return T >= BLOCK_Q and T % BLOCK_Q == 0 and S % BLOCK_K == 0 and d & (d - 1) == 0 and d >= 16
 
 
+def whole_blocks(T: int) -> int:
+    """T queries padded to whole BLOCK_Q blocks."""
+    return -(-T // BLOCK_Q) * BLOCK_Q
+
+
 def use_flash_attention(q, k) -> bool:
-    """Whether `attend` runs this kernel: on a GPU, outside batch-invariant mode (whose per-row
-    tiles are what make a token's output the same in decode and in prefill), for shapes it takes."""
-    return jax.default_backend() == "gpu" and invariant_rows() is None and kernel_fits(q, k)
+    """Whether `attend` runs this kernel: on a GPU, for shapes it takes. In batch-invariant mode
+    every pass does (decode and verify too, padded to whole query blocks): XLA picks its masked
+    einsums' algorithms per program, the kernel sums each query the same way in all of them
+    (`flash_attention_fixed_order`)."""
+    if jax.default_backend() != "gpu":
+        return False
+    if invariant_rows() is not None:
+        return kernel_fits(jax.ShapeDtypeStruct((q.shape[0], whole_blocks(q.shape[1]), *q.shape[2:]), q.dtype), k)
+    return kernel_fits(q, k)
+
+
+def flash_attention_fixed_order(q, k, v, q_pos, *, interpret: bool = False):
+    """The kernel with the queries padded to whole blocks and one key range (no split to merge):
+    a query's output then comes from the same key blocks added in the same order whatever else
+    shares its pass. Its block may walk further, to the last slot another query sees, but a block
+    a query cannot see adds exactly nothing to it (weights exp(-inf) = 0, rescale exp(0) = 1).
+    Same arguments and result as `flash_attention_pallas`."""
+    T = q.shape[1]
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, whole_blocks(T) - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    return flash_attention_pallas(pad(q), k, v, pad(q_pos), splits=1, interpret=interpret)[:, :T]
 
 
 def flash_attention(q, k, v, q_pos):
-    """`flash_attention_pallas`, under a tensor-parallel mesh per device on the heads it holds."""
+    """The kernel (`flash_attention_fixed_order` in batch-invariant mode), under a tensor-parallel
+    mesh per device on the heads it holds."""
     heads = on_axis(4, 2)
-    return per_device(flash_attention_pallas, (heads, heads, heads, jax.sharding.PartitionSpec()), heads)(
-        q, k, v, q_pos)
+    kernel = flash_attention_pallas if invariant_rows() is None else flash_attention_fixed_order
+    return per_device(kernel, (heads, heads, heads, jax.sharding.PartitionSpec()), heads)(q, k, v, q_pos)

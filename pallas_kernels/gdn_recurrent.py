@@ -153,18 +153,36 @@ def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
     kernel on a GPU where it measured faster, the reference otherwise; under a tensor-parallel
     mesh, per device on the heads it holds (value head j reads key head j // (nv // nk), so a
     device holding a contiguous block of both has all it needs). In batch-invariant mode every
-    pass runs the rolled reference, whose per-token step is one program whatever T is (the kernel
-    and XLA's unrolled fusions round differently)."""
+    token of every pass runs one program: the kernel called token by token on a GPU (XLA would
+    pick its einsums' algorithms per program and per batch size), the rolled reference's step
+    elsewhere."""
     heads, gates, state_spec = on_axis(4, 2), on_axis(3, 2), on_axis(4, 1)
     out_specs = (heads, state_spec) + ((on_axis(5, 2),) if keep_states else ())
     local = functools.partial(_gdn_recurrent_local, keep_states=keep_states)
     return per_device(local, (heads, heads, heads, gates, gates, state_spec), out_specs)(q, k, v, g, beta, state)
 
 
+def gdn_recurrent_by_token(q, k, v, g, beta, state, *, keep_states: bool = False, interpret: bool = False):
+    """The kernel one token at a time (a scan of T = 1 calls), so that every token of every pass
+    runs one compiled program, its rows in programs of their own: batch-invariant mode on a GPU.
+    Same arguments and results as `gdn_recurrent_reference`."""
+    def step(s, xs):
+        o, s = gdn_recurrent_pallas(*(x[:, None] for x in xs), s, interpret=interpret)
+        return s, (o[:, 0], s if keep_states else None)
+
+    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
+    final, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), time_major)
+    o = jnp.moveaxis(o, 0, 1)
+    return (o, final, jnp.moveaxis(states, 0, 1)) if keep_states else (o, final)
+
+
 def _gdn_recurrent_local(q, k, v, g, beta, state, *, keep_states: bool):
-    if invariant_rows() is not None:  # one program for every pass length: the rolled loop's step
+    on_gpu = jax.default_backend() == "gpu"
+    if invariant_rows() is not None:  # one program for every token, whatever its pass
+        if on_gpu and kernel_fits(q[:, :1], v):
+            return gdn_recurrent_by_token(q, k, v, g, beta, state, keep_states=keep_states)
         return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states, unroll=False)
     wins = q.shape[1] >= KERNEL_MIN_TOKENS and not keep_states
-    if jax.default_backend() == "gpu" and wins and kernel_fits(q, v):
+    if on_gpu and wins and kernel_fits(q, v):
         return gdn_recurrent_pallas(q, k, v, g, beta, state, keep_states=keep_states)
     return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states)

@@ -98,25 +98,78 @@ def test_greedy_speculation_reproduces_plain_decoding_bitwise(invariant_llm, dra
     assert speculating.metrics["num_draft_tokens"] > 0
 
 
-def test_on_a_gpu_the_mode_keeps_every_gdn_pass_on_one_program(monkeypatch):
-    """The GPU runs verify passes of 4+ tokens through the Pallas kernel and shorter ones through
-    XLA's unrolled steps, which round differently; in the mode the dispatcher gives every pass
-    length the rolled reference instead (on the CPU the kernel call would fail, so reaching it
-    fails this test)."""
+def gdn_inputs(B, T):
+    """Gated-delta-rule inputs of shapes the Pallas kernel takes (q, k, v, g, beta, state): the
+    first B rows and T tokens of one random draw, so smaller passes hold the same values."""
+    rng = np.random.default_rng(1)
+    nk, nv, d, rows, tokens = 2, 4, 32, 3, 40
+    q, k = (jnp.asarray(rng.normal(size=(rows, tokens, nk, d)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(rows, tokens, nv, d)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(size=(rows, tokens, nv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(size=(rows, tokens, nv)), jnp.float32)
+    state = jnp.asarray(rng.normal(size=(rows, nv, d, d)), jnp.float32)
+    return tuple(x[:B, :T] for x in (q, k, v, g, beta)) + (state[:B],)
+
+
+def test_on_a_gpu_the_mode_runs_every_gdn_token_through_one_kernel_program(monkeypatch):
+    """The GPU's dispatcher picks the Pallas kernel or XLA's unrolled steps by pass length, which
+    round differently; in the mode every pass, of any length, goes token by token through the
+    kernel (here in interpret mode: on the CPU a real kernel launch would fail)."""
     from pallas_kernels import gdn_recurrent as gdn
 
-    rng = np.random.default_rng(1)
-    B, T, nk, nv, d = 2, 4, 2, 4, 32  # shapes the kernel takes
-    q, k = (jnp.asarray(rng.normal(size=(B, T, nk, d)), jnp.float32) for _ in range(2))
-    v = jnp.asarray(rng.normal(size=(B, T, nv, d)), jnp.float32)
-    g, beta = -jnp.asarray(rng.uniform(size=(B, T, nv)), jnp.float32), jnp.asarray(rng.uniform(size=(B, T, nv)))
-    state = jnp.asarray(rng.normal(size=(B, nv, d, d)), jnp.float32)
+    calls = []
+
+    def by_token(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return gdn.gdn_recurrent_by_token.__wrapped__(*args, **kwargs, interpret=True)
+
+    by_token.__wrapped__ = gdn.gdn_recurrent_by_token
+    monkeypatch.setattr(gdn, "gdn_recurrent_by_token", by_token)
     monkeypatch.setattr(gdn.jax, "default_backend", lambda: "gpu")
     with batch_invariant(8):
-        o, final = gdn.gdn_recurrent(q, k, v, g, beta, state)
-        want_o, want_final = gdn.gdn_recurrent_reference(q, k, v, g, beta, state, unroll=False)
-    np.testing.assert_array_equal(o, want_o)
-    np.testing.assert_array_equal(final, want_final)
+        for T in (1, 4, 40):
+            o, final = gdn.gdn_recurrent(*gdn_inputs(2, T))
+            want_o, want_final = gdn.gdn_recurrent_reference(*gdn_inputs(2, T))
+            np.testing.assert_allclose(o, want_o, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(final, want_final, rtol=1e-5, atol=1e-5)
+    assert calls == [1, 4, 40]
+
+
+def test_the_token_by_token_kernel_gives_a_token_the_same_output_in_any_pass():
+    """Token 0 of row 0: alone, first of a 4-token pass, and beside two other rows: bit for bit;
+    keep_states returns the state after each token."""
+    from pallas_kernels.gdn_recurrent import gdn_recurrent_by_token, gdn_recurrent_reference
+
+    run = lambda B, T, **kw: gdn_recurrent_by_token(*gdn_inputs(B, T), interpret=True, **kw)  # noqa: E731
+    alone, _ = run(1, 1)
+    in_verify, _, states = run(1, 4, keep_states=True)
+    in_batch, _ = run(3, 1)
+    np.testing.assert_array_equal(in_verify[0, 0], alone[0, 0])
+    np.testing.assert_array_equal(in_batch[0, 0], alone[0, 0])
+    _, want_final, want_states = gdn_recurrent_reference(*gdn_inputs(1, 4), keep_states=True)
+    np.testing.assert_allclose(states, want_states, rtol=1e-5, atol=1e-5)
+
+
+def test_the_modes_flash_attention_gives_a_query_the_same_output_in_any_pass():
+    """The mode's attention on a GPU (the flash kernel, whole query blocks, one key range): a
+    query's output is the same bit for bit alone, in a verify pass and beside another row, and
+    close to XLA's masked softmax."""
+    from models.layers import attend_masked
+    from pallas_kernels import flash_attention as fa
+
+    rng = np.random.default_rng(3)
+    B, T, nq, nkv, d, S = 2, 5, 4, 2, 32, 96
+    q = jnp.asarray(rng.normal(size=(B, T, nq, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, S, nkv, d)), jnp.float32) for _ in range(2))
+    pos = jnp.asarray([[40, 41, 42, 43, 44], [70, 71, 72, 73, 74]], jnp.int32)
+    run = lambda q, k, v, p: fa.flash_attention_fixed_order(q, k, v, p, interpret=True)  # noqa: E731
+    alone = run(q[:1, :1], k[:1], v[:1], pos[:1, :1])
+    in_verify = run(q[:1], k[:1], v[:1], pos[:1])
+    beside = run(q[:, :1], k, v, pos[:, :1])
+    np.testing.assert_array_equal(in_verify[0, 0], alone[0, 0])
+    np.testing.assert_array_equal(beside[0, 0], alone[0, 0])
+    want = attend_masked(q, k, v, jnp.arange(S)[None, None, :] <= pos[:, :, None])
+    np.testing.assert_allclose(run(q, k, v, pos), want, rtol=2e-5, atol=2e-5)
 
 
 def test_row_tiled_is_the_plain_call_outside_the_mode():

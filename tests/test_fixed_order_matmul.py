@@ -1,0 +1,45 @@
+"""The batch-invariant mode's fixed-order Pallas matmul in interpret mode: XLA's product, each row
+summed alone, and the dispatch that sends the mode's GPU tiles (only those) to it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fixed_order_matmul as fom
+from pallas_kernels.batch_invariant import batch_invariant
+
+
+@pytest.mark.parametrize("R,K,N", [(16, 96, 80), (64, 128, 256), (32, 48, 48)])
+def test_the_kernel_computes_x_times_w_transposed(R, K, N):
+    rng = np.random.default_rng(R + K + N)
+    x = jnp.asarray(rng.standard_normal((R, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((N, K)), jnp.float32)
+    got = fom.fixed_order_matmul_pallas(x, w, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w.T), rtol=1e-5, atol=1e-4)
+    assert got.dtype == x.dtype
+    assert fom.fixed_order_matmul_pallas(x, w, out_dtype=jnp.float32, interpret=True).dtype == jnp.float32
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)
+    other = x.copy()
+    other[1:] = rng.standard_normal((15, 64))
+    a = fom.fixed_order_matmul_pallas(jnp.asarray(x, jnp.bfloat16), w, interpret=True)
+    b = fom.fixed_order_matmul_pallas(jnp.asarray(other, jnp.bfloat16), w, interpret=True)
+    np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
+    assert not np.array_equal(np.asarray(a[1], np.float32), np.asarray(b[1], np.float32))
+
+
+def test_only_the_modes_gpu_tiles_of_shapes_it_takes_run_the_kernel(monkeypatch):
+    x, w = jnp.zeros((64, 128)), jnp.zeros((256, 128))
+    with batch_invariant(64):
+        assert not fom.use_fixed_order_matmul(x, w)  # this CPU
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        assert fom.use_fixed_order_matmul(x, w)
+        assert not fom.use_fixed_order_matmul(jnp.zeros((64, 100)), jnp.zeros((256, 100)))  # K of no block
+        assert not fom.use_fixed_order_matmul(jnp.zeros((8, 128)), w)  # fewer rows than a Triton dot
+        assert not fom.use_fixed_order_matmul(x, jnp.zeros((250, 128)))  # N of no block
+    assert not fom.use_fixed_order_matmul(x, w)  # outside the mode: XLA's dot
