@@ -38,9 +38,11 @@ def _divisor(n: int, choices: tuple[int, ...]) -> int | None:
 def kernel_fits(x: jax.Array, w: jax.Array) -> bool:
     """Shapes the kernel takes: x [R, K] with R a power of two of 16 or more (Triton's smallest
     dot), K and N whole numbers of some block."""
+    if x.ndim != 2:
+        return False
     R, K = x.shape
-    return (x.ndim == 2 and R >= 16 and R & (R - 1) == 0 and _divisor(K, BLOCK_K) is not None
-            and _divisor(w.shape[0], BLOCK_N) is not None)
+    whole_blocks = _divisor(K, BLOCK_K) is not None and _divisor(w.shape[0], BLOCK_N) is not None
+    return R >= 16 and R & (R - 1) == 0 and whole_blocks
 
 
 def _kernel(x_ref, w_ref, o_ref, *, block_k: int):

@@ -42,4 +42,5 @@ def test_only_the_modes_gpu_tiles_of_shapes_it_takes_run_the_kernel(monkeypatch)
         assert not fom.use_fixed_order_matmul(jnp.zeros((64, 100)), jnp.zeros((256, 100)))  # K of no block
         assert not fom.use_fixed_order_matmul(jnp.zeros((8, 128)), w)  # fewer rows than a Triton dot
         assert not fom.use_fixed_order_matmul(x, jnp.zeros((250, 128)))  # N of no block
+        assert not fom.use_fixed_order_matmul(x[None], w)  # not a tile of rows
     assert not fom.use_fixed_order_matmul(x, w)  # outside the mode: XLA's dot
