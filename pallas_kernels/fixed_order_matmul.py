@@ -61,14 +61,15 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int):
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def fixed_order_matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = False) -> jax.Array:
-    """The Pallas kernel: x [R, K] @ w [N, K]^T -> [R, N] in out_dtype (default x's), products in
-    w's dtype and sums in float32. Shapes as `kernel_fits` says."""
+    """The Pallas kernel: x [R, K] @ w [N, K]^T -> [R, N] in out_dtype (default w's, as XLA's dot
+    of x cast to w's dtype gives), products in w's dtype and sums in float32. Shapes as
+    `kernel_fits` says."""
     R, K = x.shape
     N = w.shape[0]
     bn, bk = _divisor(N, BLOCK_N), _divisor(K, BLOCK_K)
     return pl.pallas_call(
         functools.partial(_kernel, block_k=bk),
-        out_shape=jax.ShapeDtypeStruct((R, N), out_dtype or x.dtype),
+        out_shape=jax.ShapeDtypeStruct((R, N), out_dtype or w.dtype),
         grid=(N // bn,),
         in_specs=[pl.BlockSpec((R, K), lambda j: (0, 0)), pl.BlockSpec((bn, K), lambda j: (j, 0))],
         out_specs=pl.BlockSpec((R, bn), lambda j: (0, j)),

@@ -17,7 +17,8 @@ def test_the_kernel_computes_x_times_w_transposed(R, K, N):
     w = jnp.asarray(rng.standard_normal((N, K)), jnp.float32)
     got = fom.fixed_order_matmul_pallas(x, w, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w.T), rtol=1e-5, atol=1e-4)
-    assert got.dtype == x.dtype
+    assert got.dtype == w.dtype
+    assert fom.fixed_order_matmul_pallas(x, w.astype(jnp.bfloat16), interpret=True).dtype == jnp.bfloat16
     assert fom.fixed_order_matmul_pallas(x, w, out_dtype=jnp.float32, interpret=True).dtype == jnp.float32
 
 
