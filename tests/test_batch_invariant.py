@@ -117,13 +117,12 @@ def test_on_a_gpu_the_mode_runs_every_gdn_token_through_one_kernel_program(monke
     kernel (here in interpret mode: on the CPU a real kernel launch would fail)."""
     from pallas_kernels import gdn_recurrent as gdn
 
-    calls = []
+    calls, kernel = [], gdn.gdn_recurrent_by_token
 
     def by_token(*args, **kwargs):
         calls.append(args[0].shape[1])
-        return gdn.gdn_recurrent_by_token.__wrapped__(*args, **kwargs, interpret=True)
+        return kernel(*args, **kwargs, interpret=True)
 
-    by_token.__wrapped__ = gdn.gdn_recurrent_by_token
     monkeypatch.setattr(gdn, "gdn_recurrent_by_token", by_token)
     monkeypatch.setattr(gdn.jax, "default_backend", lambda: "gpu")
     with batch_invariant(8):
