@@ -11,8 +11,8 @@ token by token (the chunked rule is another order of the same sums), and attenti
 the whole cache.
 
 On the CPU XLA computes each tile: a fixed-shape tile compiles to one loop nest whatever program
-holds it. On a GPU XLA chooses a matmul's algorithm per program (cuBLAS or Triton, tiles, split of
-the reduction, by autotuning), so there the sums that mix a token's values run in Pallas kernels
+holds it. On a GPU XLA may choose a matmul's algorithm per program (cuBLAS or Triton, tiles, split
+of the reduction, by autotuning), so there the sums that mix a token's values run in Pallas kernels
 whose order XLA cannot change: the projections and the lm_head in `fixed_order_matmul` (one tile
 of rows at a time), attention in the flash kernel (whole query blocks, one key range) and the
 gated delta rule in its recurrent kernel called token by token. The mode is entered with

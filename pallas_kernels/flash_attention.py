@@ -118,7 +118,7 @@ def whole_blocks(T: int) -> int:
 
 def use_flash_attention(q, k) -> bool:
     """Whether `attend` runs this kernel: on a GPU, for shapes it takes. In batch-invariant mode
-    every pass does (decode and verify too, padded to whole query blocks): XLA picks its masked
+    every pass does (decode and verify too, padded to whole query blocks): XLA may pick its masked
     einsums' algorithms per program, the kernel sums each query the same way in all of them
     (`flash_attention_fixed_order`)."""
     if jax.default_backend() != "gpu":

@@ -153,7 +153,7 @@ def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
     kernel on a GPU where it measured faster, the reference otherwise; under a tensor-parallel
     mesh, per device on the heads it holds (value head j reads key head j // (nv // nk), so a
     device holding a contiguous block of both has all it needs). In batch-invariant mode every
-    token of every pass runs one program: the kernel called token by token on a GPU (XLA would
+    token of every pass runs one program: the kernel called token by token on a GPU (XLA may
     pick its einsums' algorithms per program and per batch size), the rolled reference's step
     elsewhere."""
     heads, gates, state_spec = on_axis(4, 2), on_axis(3, 2), on_axis(4, 1)
