@@ -110,6 +110,14 @@ SCALE_NAMES = {"int8": ("weight_scale", None), "fp8": ("weight_scale", None),
                "fp8_block": ("weight_scale_inv", None), "nvfp4": ("weight_scale", "weight_scale_2")}
 
 
+def dot_transposed(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., K] @ w [N, K]^T -> [..., N] in out_dtype (default w's), x cast to w's dtype: XLA's
+    dot, or in batch-invariant mode on a GPU the fixed-order kernel (`use_fixed_order_matmul`)."""
+    if use_fixed_order_matmul(x, w):
+        return fixed_order_matmul_pallas(x, w, out_dtype=out_dtype)
+    return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=out_dtype)
+
+
 class Linear(nnx.Module):
     """y = x W^T (+ b) with W stored [out, in] as in the checkpoint; a bias only where the
     architecture has one (Qwen3's `attention_bias`).
@@ -134,11 +142,7 @@ class Linear(nnx.Module):
         if self.format is not None:
             y = quant_matmul(x, self.quantized(), split=self.split)
         else:
-            w = self.weight[...]
-            if use_fixed_order_matmul(x, w):
-                y = fixed_order_matmul_pallas(x, w)
-            else:
-                y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+            y = dot_transposed(x, self.weight[...])
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
     def quantized(self) -> QuantizedWeight:
@@ -292,7 +296,8 @@ def attend_block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
     """Causal GQA attention of new queries over a cache: q [B, T, nq, d]; k, v [B, S, nkv, d]
     (cache slots 0..S-1); q_pos [B, T]. Slot j is visible to a query at position p iff j <= p.
-    Prefill-sized passes on a GPU run the flash kernel, others this masked softmax."""
+    Prefill-sized passes on a GPU (and every pass there in batch-invariant mode) run the flash
+    kernel, others this masked softmax."""
     if use_flash_attention(q, k):
         return flash_attention(q, k, v, q_pos)
     return attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])

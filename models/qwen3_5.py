@@ -25,11 +25,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, expect_json, fuse_linears,
-                           project, scan_layers, split_channels, unstack_layers, zeros_param)
+from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, dot_transposed, expect_json,
+                           fuse_linears, project, scan_layers, split_channels, unstack_layers, zeros_param)
 from pallas_kernels.batch_invariant import invariant_rows, row_tiled
 from pallas_kernels.expert_matmul import expert_swiglu
-from pallas_kernels.fixed_order_matmul import fixed_order_matmul_pallas, use_fixed_order_matmul
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
 from pallas_kernels.tensor_parallel import constrain, on_axis
@@ -554,13 +553,7 @@ class Qwen3_5Model(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Post-norm hidden [..., H] -> float32 logits [..., V]."""
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
-
-        def project(h):
-            if use_fixed_order_matmul(h, w):
-                return fixed_order_matmul_pallas(h, w, out_dtype=jnp.float32)
-            return jnp.einsum("...h,vh->...v", h.astype(w.dtype), w, preferred_element_type=jnp.float32)
-
-        return row_tiled(project, hidden)
+        return row_tiled(lambda h: dot_transposed(h, w, jnp.float32), hidden)
 
     def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int, rollback=None,
                  taps: tuple[int, ...] = ()):

@@ -105,15 +105,17 @@ def flash_attention_pallas(q, k, v, q_pos, *, splits: int | None = None, interpr
     return out.astype(q.dtype)
 
 
-def kernel_fits(q, k) -> bool:
-    """Shapes the kernel takes: whole query blocks, whole key blocks, a power-of-two head dim."""
-    T, d, S = q.shape[1], q.shape[-1], k.shape[1]
-    return T >= BLOCK_Q and T % BLOCK_Q == 0 and S % BLOCK_K == 0 and d & (d - 1) == 0 and d >= 16
-
-
 def whole_blocks(T: int) -> int:
     """T queries padded to whole BLOCK_Q blocks."""
     return -(-T // BLOCK_Q) * BLOCK_Q
+
+
+def kernel_fits(q, k, *, padded: bool = False) -> bool:
+    """Shapes the kernel takes: whole query blocks (padded: once padded to them), whole key
+    blocks, a power-of-two head dim."""
+    T, d, S = q.shape[1], q.shape[-1], k.shape[1]
+    T = whole_blocks(T) if padded else T
+    return T >= BLOCK_Q and T % BLOCK_Q == 0 and S % BLOCK_K == 0 and d & (d - 1) == 0 and d >= 16
 
 
 def use_flash_attention(q, k) -> bool:
@@ -121,11 +123,7 @@ def use_flash_attention(q, k) -> bool:
     every pass does (decode and verify too, padded to whole query blocks): XLA may pick its masked
     einsums' algorithms per program, the kernel sums each query the same way in all of them
     (`flash_attention_fixed_order`)."""
-    if jax.default_backend() != "gpu":
-        return False
-    if invariant_rows() is not None:
-        return kernel_fits(jax.ShapeDtypeStruct((q.shape[0], whole_blocks(q.shape[1]), *q.shape[2:]), q.dtype), k)
-    return kernel_fits(q, k)
+    return jax.default_backend() == "gpu" and kernel_fits(q, k, padded=invariant_rows() is not None)
 
 
 def flash_attention_fixed_order(q, k, v, q_pos, *, interpret: bool = False):
