@@ -112,7 +112,7 @@ def equality(args, model_or_path, cfg, prompts, record) -> None:
 
             if batch > 1:
                 compare("off", plain, run)
-            for name, config, draft in methods:
+            for name, config, draft in methods if batch in args.batch else ():  # batch 1 only as the reference
                 spec = llm.with_speculation(config, draft=draft)
                 if config["method"] == "ngram" and not args.model:
                     always_drafting(spec)
