@@ -43,9 +43,10 @@ class AssembledBatch:
     do_sample: bool
 
     def inputs(self) -> list:
-        """The engine's prefill arguments before (speculate, reference, do_sample)."""
-        return [jnp.asarray(x) for x in (self.tokens, self.lengths, self.max_lengths, self.stop_ids)] + [
-            self.sampling, jnp.asarray(self.done)]
+        """The engine's prefill arguments before (speculate, reference, do_sample). The arrays stay
+        on the host: a compiled program copies them in with its call, and the prefix-cache path
+        reads them there without a copy back."""
+        return [self.tokens, self.lengths, self.max_lengths, self.stop_ids, self.sampling, self.done]
 
 
 def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequence[int], *, rows: int,

@@ -539,7 +539,7 @@ class LLM:
         reference = proposer_reference(self.engine, batch, self._plain, do_sample)
         if num_logprobs is None:
             num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        state = self.engine.prefill(*batch.inputs(), jnp.asarray(batch.speculate), reference, do_sample, num_logprobs)
+        state = self.engine.prefill(*batch.inputs(), batch.speculate, reference, do_sample, num_logprobs)
         return state, do_sample, batch.stops
 
     def bad_word_forms(self, p: SamplingParams) -> list[list[int]]:

@@ -160,21 +160,21 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     batch = Batch(start=jnp.zeros((B,), jnp.int32), n_valid=prompt_lengths)
     # Batch-invariant: attention spans the whole cache in every pass, prefill included.
     target = model(prompts, batch, cache, kv_len=cache_len if invariant_rows() else T, taps=plan_taps(plan))
-    return start_decode(model, draft, target, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done,
+    last = target.hidden[jnp.arange(B), prompt_lengths - 1]
+    return start_decode(model, draft, target, last, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done,
                         speculate, reference, cache_len=cache_len, do_sample=do_sample, plan=plan,
                         num_logprobs=num_logprobs)
 
 
-def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, prompts, prompt_lengths, max_lengths, stop_ids,
-                 sampling: RowSampling, done, speculate, reference, *, cache_len: int, do_sample: bool,
+def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, last, prompts, prompt_lengths, max_lengths,
+                 stop_ids, sampling: RowSampling, done, speculate, reference, *, cache_len: int, do_sample: bool,
                  plan: SpecPlan | None, num_logprobs: int | None = None) -> DecodeState:
     """What prefill does after the target's pass over the prompts: sample each row's first token
-    from the hidden state at its last position and start the proposer on the target's outputs.
-    target: that pass's `ForwardOut` (hidden [B, T, H], the caches holding the prompts, taps);
-    the other arguments as `prefill`'s."""
+    from last [B, H], the hidden state at its last prompt position, and start the proposer on
+    the target's outputs. target: that pass's `ForwardOut` (the caches holding the prompts;
+    hidden [B, T, H] and taps, read only by a proposer); the other arguments as `prefill`'s."""
     B, T = prompts.shape
     cache = target.cache
-    last = target.hidden[jnp.arange(B), prompt_lengths - 1]
     history = None if sampling.penalties is None else TokenHistory.of_prompts(prompts, prompt_lengths,
                                                                               model.cfg.vocab_size)
     raw = model.logits(last)
@@ -498,6 +498,9 @@ class Engine:
         self.graphdef, self.params = nnx.split((model, draft))
         if mesh is not None:
             self.params = replicate(self.params, mesh)
+        # Programs take the parameters as one flat list: flattening the nnx State (a Variable
+        # node per leaf) on every call costs about a millisecond of host time.
+        self.param_leaves, self.param_tree = jax.tree.flatten(self.params)
         self.executables = {}
 
     def batch_bucket(self, n: int) -> int:
@@ -511,16 +514,16 @@ class Engine:
 
     def _compiled(self, name, fn, *args, static=(), donate=()):
         """AOT-compile `fn(model, *args)` once per (name, shapes, static) and run it."""
-        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
-        key = (name, jax.tree.structure(args), shapes, static)
+        leaves, structure = jax.tree.flatten(args)
+        key = (name, structure, tuple((a.shape, a.dtype) for a in leaves), static)
         if key not in self.executables:
             t0 = time.perf_counter()
             jitted = jax.jit(self._on_params(fn), donate_argnums=tuple(i + 1 for i in donate))
             with self.tracing():
-                lowered = jitted.lower(self.params, *args)
+                lowered = jitted.lower(self.param_leaves, *args)
             self.executables[key] = lowered.compile(compiler_options=self.compiler_options)
             log.info("compiled %s for %s in %.1f s", name, describe_shapes(args), time.perf_counter() - t0)
-        return self.executables[key](self.params, *args)
+        return self.executables[key](self.param_leaves, *args)
 
     @contextlib.contextmanager
     def tracing(self):
@@ -531,11 +534,11 @@ class Engine:
                 yield
 
     def _on_params(self, fn):
-        """fn(model, draft, *a) as a function of the split parameters: run(params, *a)."""
-        graphdef = self.graphdef
+        """fn(model, draft, *a) as a function of the flat parameters: run(param_leaves, *a)."""
+        graphdef, tree = self.graphdef, self.param_tree
 
-        def run(params, *a):
-            model, draft = nnx.merge(graphdef, params)
+        def run(leaves, *a):
+            model, draft = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
             return fn(model, draft, *a)
 
         return run
@@ -546,7 +549,7 @@ class Engine:
         proposer state, token buffer): what each further batch row costs. Traced, not compiled or run."""
         fn = partial(prefill, cache_len=self.cache_len, do_sample=False, plan=self.plan)
         with self.tracing():
-            state = jax.eval_shape(self._on_params(fn), self.params, prompts, prompt_lengths, max_lengths, stop_ids,
+            state = jax.eval_shape(self._on_params(fn), self.param_leaves, prompts, prompt_lengths, max_lengths, stop_ids,
                                    sampling, done, speculate, reference)
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
                    if hasattr(leaf, "dtype") and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
@@ -560,20 +563,27 @@ class Engine:
             fn = partial(prefill, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan,
                          num_logprobs=num_logprobs)
             return self._compiled("prefill", fn, prompts, prompt_lengths, *rest, static=static)
-        target, prompts = self._prefill_blocks(prompts, prompt_lengths, done)
+        cache, last_blocks, hidden, taps, prompts = self._prefill_blocks(prompts, prompt_lengths, done)
         start = partial(start_decode, cache_len=self.cache_len, do_sample=do_sample, plan=self.plan,
                         num_logprobs=num_logprobs)
-        # The caches go in donated: the state takes them over instead of a copy.
-        fn = lambda model, draft, cache, hidden, taps, *a: start(model, draft, ForwardOut(hidden, cache, taps), *a)  # noqa: E731
-        return self._compiled("start_decode", fn, target.cache, target.hidden, target.taps, prompts, prompt_lengths,
-                              *rest, static=static, donate=(0,))
 
-    def _prefill_blocks(self, prompts, prompt_lengths, done) -> tuple[ForwardOut, jax.Array]:
+        def fn(model, draft, cache, last_blocks, hidden, taps, prompts, prompt_lengths, *a):
+            # a row's last prompt position lies in the last block its prefill ran
+            last = last_blocks[jnp.arange(prompts.shape[0]), (prompt_lengths - 1) % last_blocks.shape[1]]
+            return start(model, draft, ForwardOut(hidden, cache, taps), last, prompts, prompt_lengths, *a)
+
+        # The caches go in donated: the state takes them over instead of a copy.
+        return self._compiled("start_decode", fn, cache, last_blocks, hidden, taps, prompts, prompt_lengths, *rest,
+                              static=static, donate=(0,))
+
+    def _prefill_blocks(self, prompts, prompt_lengths, done):
         """Prefix caching: each live row's prompt resumes from its deepest cached block and runs
         the blocks after it one pass each, keeping every full block it computes. Returns the
-        target's `ForwardOut` over the batch (hidden and taps [B, W, ...], W the prompt bucket
-        rounded up to whole blocks; zeros at cached positions when no proposer reads them) and
-        the prompts padded to W."""
+        batch's caches, the target's hidden [B, C, H] over each row's last block (zeros for a
+        padding row), its hidden and taps [B, W, ...] over the whole prompt when a proposer reads
+        them (else None; W the prompt bucket rounded up to whole blocks, zeros at cached positions
+        whose blocks kept none), and the prompts [B, W] on the host.
+        Arguments may be host or device arrays; the programs take host ones as they are."""
         store, C = self.prefix_cache, self.prefix_cache.block_size
         tokens, lengths, padding = np.asarray(prompts), np.asarray(prompt_lengths), np.asarray(done)
         width = -(-tokens.shape[1] // C) * C
@@ -586,31 +596,32 @@ class Engine:
             cache = None
             outputs.append([])
             if not padding[b]:
-                ids = tokens[b, :lengths[b]].tolist()
+                ids = tokens[b, :lengths[b]]
                 keys = store.keys(ids)
                 found = store.lookup(ids, keys)
                 restored = 0
                 for run in powers_of_two(len(found)):  # few programs, few calls: one per power of two
                     parts = restored_parts(found[restored:restored + run], deepest=restored + run == len(found))
                     cache = self._compiled("restore_blocks", partial(restore_blocks, cache_len=self.cache_len), cache,
-                                           parts, jnp.asarray(restored * C, jnp.int32), donate=(0,))
+                                           parts, np.asarray(restored * C, np.int32), donate=(0,))
                     restored += run
                 cache = fresh() if cache is None else cache
                 outputs[-1] += [(blk.hidden, blk.taps) for blk in found]
                 for i in range(restored, -(-len(ids) // C)):
-                    chunk = jnp.asarray(tokens[b:b + 1, i * C:(i + 1) * C])
-                    cache, block = self._compiled("prefill_block", run_block, cache, chunk,
-                                                  jnp.asarray([i * C], jnp.int32),
-                                                  jnp.asarray([min(C, len(ids) - i * C)], jnp.int32), donate=(0,))
+                    cache, block = self._compiled("prefill_block", run_block, cache, tokens[b:b + 1, i * C:(i + 1) * C],
+                                                  np.asarray([i * C], np.int32),
+                                                  np.asarray([min(C, len(ids) - i * C)], np.int32), donate=(0,))
                     outputs[-1].append((block.hidden, block.taps))
                     kept = block if self.plan else dataclasses.replace(block, hidden=None, taps=None)
                     if i < min(len(keys), store.room(kept)):  # a full block, within what the budget holds
                         store.put(keys[i], kept)
                 store.touch(keys)
             caches.append(fresh() if cache is None else cache)
-        hidden, taps = self._assemble_outputs(outputs, width)
+        last_blocks = [row[-1][0] if row else jnp.zeros((1, C, self.cfg.hidden_size), self.dtype) for row in outputs]
+        last_blocks = last_blocks[0] if len(last_blocks) == 1 else jnp.concatenate(last_blocks)
+        hidden, taps = self._assemble_outputs(outputs, width) if self.plan else (None, None)
         cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *caches)
-        return ForwardOut(hidden, cache, taps), jnp.asarray(tokens)
+        return cache, last_blocks, hidden, taps, tokens
 
     def _assemble_outputs(self, outputs, width: int):
         """Rows' block outputs [(hidden [1, C, H] or None, taps or None), ...] -> hidden [B, W, H]
