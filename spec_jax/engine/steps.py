@@ -549,8 +549,8 @@ class Engine:
         proposer state, token buffer): what each further batch row costs. Traced, not compiled or run."""
         fn = partial(prefill, cache_len=self.cache_len, do_sample=False, plan=self.plan)
         with self.tracing():
-            state = jax.eval_shape(self._on_params(fn), self.param_leaves, prompts, prompt_lengths, max_lengths, stop_ids,
-                                   sampling, done, speculate, reference)
+            state = jax.eval_shape(self._on_params(fn), self.param_leaves, prompts, prompt_lengths, max_lengths,
+                                   stop_ids, sampling, done, speculate, reference)
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
                    if hasattr(leaf, "dtype") and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
