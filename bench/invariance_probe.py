@@ -7,6 +7,12 @@ layer by layer (decode against verify, prefill beside other rows, a batch of 8 d
 
     python -m bench.invariance_probe --geometry 27b --layers 4 --out results/invariance_27b.json
 
+With --cost, what the mode costs part by part instead: each part's ms with the mode and without
+it, at a decode step of one row (B1 T1) and a verify of 4 tokens in 8 rows (B8 T4), each
+projection shape once (the projections whose (K, N) repeat are the same program).
+
+    python -m bench.invariance_probe --geometry 27b --layers 4 --cost --out results/mode_cost_27b.json
+
 Random weights of a released geometry, made on the device, in the engine's decode layout. Each
 part's line is printed (and the file rewritten) as it finishes, so a run cut short keeps them.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -35,14 +42,61 @@ def largest_difference(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
 
 
+def jit_part(fn):
+    """jax.jit of a part, with a module's weights (or a bound method's module's) as arguments
+    rather than constants baked into each program."""
+    module, method = (fn, "__call__") if isinstance(fn, nnx.Module) else (getattr(fn, "__self__", None),
+                                                                          getattr(fn, "__name__", None))
+    if not isinstance(module, nnx.Module):
+        return jax.jit(fn)
+    graphdef, state = nnx.split(module)
+    run = jax.jit(lambda state, *a: getattr(nnx.merge(graphdef, state), method)(*a))
+    return lambda *a: run(state, *a)
+
+
 def token_in_passes(fn, make) -> dict:
     """fn(*make(B, T))'s first output at row 0, token 0, for (B, T) = (1, 1) against 4-token,
     8-row, 64- and 65-token passes: {pass: largest |difference|}."""
-    run = jax.jit(fn)
+    run = jit_part(fn)
     first = lambda out: (out[0] if isinstance(out, tuple) else out)[0, 0]  # noqa: E731
     alone = first(run(*make(1, 1)))
     return {f"B{B} T{T}": largest_difference(alone, first(run(*make(B, T))))
             for B, T in ((1, 4), (8, 1), (1, 64), (1, 65))}
+
+
+def ms_per_call(fn, args, repeats: int = 20) -> float:
+    """Median ms of fn(*args) over `repeats` timed calls, after a compiling one."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(1e3 * (time.perf_counter() - t))
+    return float(np.median(times))
+
+
+def cost_in_passes(fn, make) -> dict:
+    """{pass: {"default": ms, "mode": ms, "ratio": mode / default}} of fn at a one-row decode
+    step and a 4-token verify of 8 rows, each traced once outside the mode and once in it."""
+    out = {}
+    for B, T in ((1, 1), (8, 4)):
+        args = make(B, T)
+        timed = {}
+        for label, rows in (("default", None), ("mode", invariant_tile_rows())):
+            with batch_invariant(rows):
+                timed[label] = ms_per_call(jit_part(fn), args)
+        out[f"B{B} T{T}"] = {**timed, "ratio": timed["mode"] / timed["default"]}
+    return out
+
+
+def distinct_shapes(named_parts):
+    """The parts with a projection of each (K, N) once: the others compile to the same program."""
+    seen = set()
+    for name, fn, make in named_parts:
+        shape = (fn.weight.shape[-1], fn.weight.shape[0]) if isinstance(fn, Linear) else name
+        if shape not in seen:
+            seen.add(shape)
+            yield name, fn, make
 
 
 def parts(model, cfg, rng):
@@ -82,11 +136,15 @@ def whole_model(model, cfg, rng) -> dict:
     taps = tuple(range(cfg.num_hidden_layers))
     H = cfg.hidden_size
 
-    def forward(tokens, start, n, cache):
-        out = model(tokens, Batch(start, n), cache, kv_len=CACHE, taps=taps)
-        return model.logits(out.hidden), out.taps, out.cache
+    graphdef, state = nnx.split(model)
 
-    run = jax.jit(forward)
+    @jax.jit
+    def forward(state, tokens, start, n, cache):
+        net = nnx.merge(graphdef, state)
+        out = net(tokens, Batch(start, n), cache, kv_len=CACHE, taps=taps)
+        return net.logits(out.hidden), out.taps, out.cache
+
+    run = lambda *a: forward(state, *a)  # noqa: E731
     ids = lambda t: jnp.asarray(t, jnp.int32)  # noqa: E731
     seq = rng.integers(0, 1000, (8, 30))
     _, _, after_20 = run(ids(seq[:1, :20]), ids([0]), ids([20]), init_cache(cfg, 1, CACHE, model.dtype))
@@ -115,6 +173,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--geometry", default="27b")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers kept (one 4-layer pattern: 3 GDN, 1 attention)")
+    ap.add_argument("--cost", action="store_true", help="time each part with the mode and without it instead")
     ap.add_argument("--out", required=True, help="write OUT.json")
     args = ap.parse_args(argv)
     cfg = geometry_config(args.geometry, args.layers)
@@ -130,6 +189,10 @@ def main(argv=None) -> None:
         print(json.dumps({name: value}), flush=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
 
+    if args.cost:
+        for name, fn, make in distinct_shapes(parts(model, cfg, rng)):
+            record(name, cost_in_passes(fn, make))
+        return
     with batch_invariant(invariant_tile_rows()):
         for name, fn, make in parts(model, cfg, rng):
             record(name, token_in_passes(fn, make))
