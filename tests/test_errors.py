@@ -163,6 +163,15 @@ def test_seeds_past_32_bits_draw_differently():
     np.testing.assert_array_equal(keys[0], np.asarray(jax.random.key_data(jax.random.key(0))))  # small seeds as before
 
 
+def test_a_batch_keys_made_on_the_host_equal_each_seeds_key():
+    from spec_jax.api.batching import row_keys, seed_key
+
+    seeds = [0, 7, 2**31 + 3, 2**32 - 1, 2**32, 2**62 + 11, -5]
+    got = np.asarray(jax.random.key_data(row_keys(seeds, len(seeds) + 2)))
+    want = [jax.random.key_data(seed_key(s)) for s in seeds] + [jax.random.key_data(jax.random.key(0))] * 2
+    np.testing.assert_array_equal(got, np.stack(want))
+
+
 def test_k_and_lookup_window_stay_below_max_model_len(tiny_dir):
     with pytest.raises(ValueError, match="num_speculative_tokens=20 leaves no room in max_model_len=16"):
         LLM(model=str(tiny_dir), dtype="float32", max_model_len=16,

@@ -25,6 +25,17 @@ def seed_key(seed: int) -> jax.Array:
     return jax.random.fold_in(key, seed >> 32) if seed >> 32 else key
 
 
+def row_keys(seeds: Sequence[int], rows: int) -> jax.Array:
+    """`seed_key` of each seed, then key(0) for the padding rows: [rows] keys. Made as raw key data
+    on the host, one transfer for the batch: threefry's key of a 32-bit seed s is (0, s); larger
+    seeds (rare) go through `seed_key` on the device."""
+    data = np.zeros((rows, 2), np.uint32)
+    for i, seed in enumerate(seeds):
+        seed &= 2**64 - 1
+        data[i] = (0, seed) if seed < 2**32 else jax.random.key_data(seed_key(seed))
+    return jax.random.wrap_key_data(data)
+
+
 @dataclasses.dataclass
 class AssembledBatch:
     """B bucket rows, the first n real: tokens [B, T] int32 right-padded, lengths [B],
@@ -76,10 +87,8 @@ def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequen
     speculate[:n] = [p.speculative for p in params]
     pad = lambda values, fill, dtype: np.asarray(list(values) + [fill] * (B - n), dtype)  # noqa: E731
     temperature = pad((p.temperature for p in params), 0.0, np.float32)
-    keys = jax.random.split(jax.random.key(0), B)
-    keys = keys.at[:n].set(jnp.stack([seed_key(s) for s in seeds]))
     sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(pad((max(p.top_k, 0) for p in params), 0, np.int32)),
-                           jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), keys,
+                           jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), row_keys(seeds, B),
                            **logit_processors(params, lengths, stop_ids, B, vocab_size, bad_words, processors))
     return AssembledBatch(tokens, lengths, max_lengths, stop_ids, sampling, np.arange(B) >= n, speculate, stops,
                           bool((temperature > 0).any()))
