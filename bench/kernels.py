@@ -343,9 +343,33 @@ def chunked_cases(rng, tokens):
     return rows
 
 
+def cudnn_attention(q, k, v, start):
+    """cuDNN's fused attention for the T queries at positions start..start+T-1 of each row over its
+    cache: q [B, T, nq, d], k, v [B, S, nkv, d], start [B] int32. Two cuDNN calls merged by their
+    log-sum-exp: the keys before start, all visible (a padding mask), and the T new keys, causal
+    (a square, where cuDNN's causal mask lines up; for T < S it is aligned to the first key). JAX's
+    public wrapper rounds the log-sum-exp to the output's dtype, so this calls its cuDNN module
+    for float32 statistics."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    B, T, _, d = q.shape
+    before, lse_before = cudnn.dot_product_attention(
+        q, k, v, None, None, jnp.full((B,), T, jnp.int32), start, scale=d**-0.5,
+        mask_type=cudnn.MaskType.PADDING, return_residual=True)
+    own = [jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, T, axis=0))(x, start) for x in (k, v)]
+    new, lse_new = cudnn.dot_product_attention(q, *own, scale=d**-0.5, mask_type=cudnn.MaskType.CAUSAL,
+                                               return_residual=True)
+    seen = start[:, None, None] > 0  # a row at position 0 has no keys before it
+    lse_before = jnp.where(seen, lse_before, -jnp.inf)
+    top = jnp.maximum(lse_before, lse_new)
+    w_before, w_new = (jnp.swapaxes(jnp.exp(x - top), 1, 2)[..., None] for x in (lse_before, lse_new))  # [B, T, nq, 1]
+    before = jnp.where(seen[..., None], before.astype(jnp.float32), 0.0)
+    return ((before * w_before + new.astype(jnp.float32) * w_new) / (w_before + w_new)).astype(q.dtype)
+
+
 def attention_cases(rng, shapes=((256, 16640), (4096, 4096), (16384, 16384))) -> list[dict]:
-    """Flash attention against XLA's masked softmax for (T queries, S slots): the queries are the
-    last T positions of the context; error relative to XLA's in float32."""
+    """Flash attention and cuDNN's (`cudnn_attention`) against XLA's masked softmax for (T queries,
+    S slots): the queries are the last T positions of the context; error relative to XLA's in float32."""
     rows = []
     for T, S in shapes:
         nq, nkv, d = 24, 4, 256
@@ -359,6 +383,13 @@ def attention_cases(rng, shapes=((256, 16640), (4096, 4096), (16384, 16384))) ->
                "rel_err_xla_bf16": max_rel_error([jax.jit(xla)(q, k, v, pos).astype(jnp.float32)], [want]),
                "flash_us": call_time_us(flash_attention_pallas, (q, k, v, pos)),
                "xla_us": call_time_us(xla, (q, k, v, pos))}
+        start = jnp.asarray([S - T], jnp.int32)
+        try:
+            cudnn = jax.jit(cudnn_attention)
+            row["rel_err_cudnn"] = max_rel_error([cudnn(q, k, v, start).astype(jnp.float32)], [want])
+            row["cudnn_us"] = call_time_us(cudnn, (q, k, v, start))
+        except Exception as e:  # a cuDNN or device without these shapes: say so and go on
+            row["cudnn"] = f"failed: {str(e).splitlines()[0][:200]}"
         # causal FLOPs: QK^T and PV over the visible half-triangle plus the rectangle before it
         row["flash_TFLOP_s"] = 4 * nq * d * T * (S - T / 2) / row["flash_us"] / 1e6
         rows.append(row)
