@@ -330,9 +330,12 @@ class LLM:
         # took 11 ms element by element).
         kinds = {ids.dtype.type} if isinstance(ids, np.ndarray) else set(map(type, ids))
         integers = all(issubclass(k, (int, np.integer)) and k is not bool for k in kinds)
-        array = np.asarray(ids) if integers and len(ids) else None
+        array = None
+        if integers and len(ids):
+            array = ids if isinstance(ids, np.ndarray) else np.fromiter(ids, np.int64, len(ids))
         if array is not None and array.ndim == 1 and 0 <= array.min() and array.max() < self.cfg.vocab_size:
-            ids = array.tolist()
+            # a copy either way (the caller may extend its list for the next turn); plain ints as they are
+            ids = list(ids) if kinds == {int} else array.tolist()
         else:  # find the value to name in the error
             wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
             if wrong:
