@@ -28,6 +28,8 @@ def test_token_id_outside_vocabulary(tiny_llm):
         tiny_llm.generate(prompt_token_ids=[[1, 512]])
     with pytest.raises(ValueError, match="token id -1"):
         tiny_llm.logits([-1, 2])
+    with pytest.raises(ValueError, match=f"token id {2**70} outside"):
+        tiny_llm.generate(prompt_token_ids=[[1, 2**70]])
 
 
 def test_compiler_options_xla_does_not_know(tiny_dir):

@@ -332,7 +332,10 @@ class LLM:
         integers = all(issubclass(k, (int, np.integer)) and k is not bool for k in kinds)
         array = None
         if integers and len(ids):
-            array = ids if isinstance(ids, np.ndarray) else np.fromiter(ids, np.int64, len(ids))
+            try:
+                array = ids if isinstance(ids, np.ndarray) else np.fromiter(ids, np.int64, len(ids))
+            except OverflowError:  # an id past 64 bits: named below
+                pass
         if array is not None and array.ndim == 1 and 0 <= array.min() and array.max() < self.cfg.vocab_size:
             # a copy either way (the caller may extend its list for the next turn); plain ints as they are
             ids = list(ids) if kinds == {int} else array.tolist()
