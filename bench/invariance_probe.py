@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import jax
@@ -30,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from bench.models import geometry_config, random_model
+from bench.verify_cost import timed as timed_ms
 from models.layers import Batch, Linear, attend
 from models.qwen3_5 import init_cache
 from pallas_kernels.batch_invariant import batch_invariant, invariant_tile_rows
@@ -42,16 +42,21 @@ def largest_difference(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
 
 
+def jit_with_weights(fn, module: nnx.Module):
+    """jax.jit of fn(module, *a) with the module's weights as arguments rather than constants
+    baked into each program."""
+    graphdef, state = nnx.split(module)
+    run = jax.jit(lambda state, *a: fn(nnx.merge(graphdef, state), *a))
+    return lambda *a: run(state, *a)
+
+
 def jit_part(fn):
-    """jax.jit of a part, with a module's weights (or a bound method's module's) as arguments
-    rather than constants baked into each program."""
+    """jax.jit of a part: a module, a module's bound method, or a plain function."""
     module, method = (fn, "__call__") if isinstance(fn, nnx.Module) else (getattr(fn, "__self__", None),
                                                                           getattr(fn, "__name__", None))
     if not isinstance(module, nnx.Module):
         return jax.jit(fn)
-    graphdef, state = nnx.split(module)
-    run = jax.jit(lambda state, *a: getattr(nnx.merge(graphdef, state), method)(*a))
-    return lambda *a: run(state, *a)
+    return jit_with_weights(lambda m, *a: getattr(m, method)(*a), module)
 
 
 def token_in_passes(fn, make) -> dict:
@@ -64,27 +69,17 @@ def token_in_passes(fn, make) -> dict:
             for B, T in ((1, 4), (8, 1), (1, 64), (1, 65))}
 
 
-def ms_per_call(fn, args, repeats: int = 20) -> float:
-    """Median ms of fn(*args) over `repeats` timed calls, after a compiling one."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(1e3 * (time.perf_counter() - t))
-    return float(np.median(times))
-
-
 def cost_in_passes(fn, make) -> dict:
     """{pass: {"default": ms, "mode": ms, "ratio": mode / default}} of fn at a one-row decode
-    step and a 4-token verify of 8 rows, each traced once outside the mode and once in it."""
+    step and a 4-token verify of 8 rows, each traced once outside the mode and once in it (mean
+    of 20 back-to-back calls after a compiling one)."""
     out = {}
     for B, T in ((1, 1), (8, 4)):
         args = make(B, T)
         timed = {}
         for label, rows in (("default", None), ("mode", invariant_tile_rows())):
             with batch_invariant(rows):
-                timed[label] = ms_per_call(jit_part(fn), args)
+                timed[label] = timed_ms(jit_part(fn), *args, reps=20)
         out[f"B{B} T{T}"] = {**timed, "ratio": timed["mode"] / timed["default"]}
     return out
 
@@ -136,15 +131,11 @@ def whole_model(model, cfg, rng) -> dict:
     taps = tuple(range(cfg.num_hidden_layers))
     H = cfg.hidden_size
 
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def forward(state, tokens, start, n, cache):
-        net = nnx.merge(graphdef, state)
+    def forward(net, tokens, start, n, cache):
         out = net(tokens, Batch(start, n), cache, kv_len=CACHE, taps=taps)
         return net.logits(out.hidden), out.taps, out.cache
 
-    run = lambda *a: forward(state, *a)  # noqa: E731
+    run = jit_with_weights(forward, model)
     ids = lambda t: jnp.asarray(t, jnp.int32)  # noqa: E731
     seq = rng.integers(0, 1000, (8, 30))
     _, _, after_20 = run(ids(seq[:1, :20]), ids([0]), ids([20]), init_cache(cfg, 1, CACHE, model.dtype))
@@ -172,7 +163,8 @@ def whole_model(model, cfg, rng) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--geometry", default="27b")
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers kept (one 4-layer pattern: 3 GDN, 1 attention)")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="decoder layers kept (one 4-layer pattern: 3 GDN, 1 attention)")
     ap.add_argument("--cost", action="store_true", help="time each part with the mode and without it instead")
     ap.add_argument("--out", required=True, help="write OUT.json")
     args = ap.parse_args(argv)
