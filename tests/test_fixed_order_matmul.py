@@ -45,3 +45,23 @@ def test_only_the_modes_gpu_tiles_of_shapes_it_takes_run_the_kernel(monkeypatch)
         assert not fom.use_fixed_order_matmul(x, jnp.zeros((250, 128)))  # N of no block
         assert not fom.use_fixed_order_matmul(x[None], w)  # not a tile of rows
     assert not fom.use_fixed_order_matmul(x, w)  # outside the mode: XLA's dot
+
+
+def test_a_split_of_k_sums_its_ranges_to_the_product():
+    """Four ranges of K, each summed apart and then added in order: XLA's product, and a row's
+    result still its own."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((16, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 256)), jnp.float32)
+    blocks = fom.Plan(block_n=16, block_k=32, splits=4, num_stages=3)
+    got = fom.fixed_order_matmul_pallas(x, w, blocks=blocks, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w.T), rtol=1e-5, atol=1e-4)
+    other = fom.fixed_order_matmul_pallas(x.at[1:].set(0.0), w, blocks=blocks, interpret=True)
+    np.testing.assert_array_equal(np.asarray(other[0]), np.asarray(got[0]))
+
+
+def test_the_plan_splits_k_only_where_few_column_blocks_would_leave_sms_idle():
+    assert fom.plan(5120, 248320).splits == 1  # the lm_head: 1940 column blocks
+    small = fom.plan(17408, 5120)  # a down projection: 40 column blocks
+    assert small.splits > 1 and (5120 // small.block_n) * small.splits >= fom.WAVE
+    assert 17408 % (small.splits * small.block_k) == 0
