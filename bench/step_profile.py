@@ -7,6 +7,10 @@ each verify.
 
     python -m bench.step_profile --geometry 0.8b --batch 1 8 --k 3 --calls 20 --out prof.json
     python -m bench.step_profile --geometry 0.8b --batch 1 --quantization nvfp4   # quantized projections
+    python -m bench.step_profile --geometry 27b --batch 1 8 --batch-invariant     # what the mode adds
+
+With --batch-invariant each pass is also traced in batch-invariant mode, and the diff printed is
+the mode's pass minus the default pass, kernel family by family, instead of verify minus decode.
 
 (`python -m` from the repository root, or PYTHONPATH=. with `python bench/step_profile.py`:
 `bench` is not an installed package.)
@@ -45,6 +49,7 @@ from jax.profiler import ProfileData
 from bench.models import GEOMETRIES, add_layout_flag, layout_name
 from bench.verify_cost import build_model, make_forward, timed
 from models.qwen3_5 import init_cache
+from pallas_kernels.batch_invariant import batch_invariant, invariant_tile_rows
 from pallas_kernels.quant_formats import FORMATS
 
 TOP = 25
@@ -77,6 +82,7 @@ def parse_args() -> argparse.Namespace:
     """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--geometry", default="0.8b", choices=GEOMETRIES)
+    ap.add_argument("--layers", type=int, default=None, help="keep this many decoder layers of the geometry")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--k", type=int, nargs="+", default=[3], help="drafted tokens; verify runs T=k+1")
     ap.add_argument("--rollback", default="replay", choices=("replay", "checkpoint"))
@@ -85,6 +91,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cache-len", type=int, default=512)
     add_layout_flag(ap)
     ap.add_argument("--quantization", choices=FORMATS, default=None, help="weight-only format of the projections")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="also trace each pass in batch-invariant mode and diff it against the default pass")
     ap.add_argument("--out", default=None, help="write the full results (every kernel) here as JSON")
     return ap.parse_args()
 
@@ -281,13 +289,14 @@ def diff(decode: dict, verify: dict, key: str) -> list[dict]:
 
 
 def print_diff(decode: dict, verify: dict, families: list[dict], categories: list[dict]) -> None:
-    """The growth of totals, families and categories from decode to a verify pass."""
+    """The growth of totals, families and categories from one pass (decode, or a pass outside the
+    mode) to another (a verify pass, or the same pass in the mode)."""
     print(f"\n== batch {verify['batch']} | {verify['pass']} minus {decode['pass']} ==")
     for key, label in (("wall_ms_per_call", "wall untraced"), ("kernel_ms_per_call", "kernel sum"),
                        ("busy_ms_per_call", "busy")):
         print(f"{label}: {decode[key]:.3f} -> {verify[key]:.3f} ms ({verify[key] / decode[key]:.2f}x)")
     print(f"kernels per call: {decode['kernels_per_call']:.0f} -> {verify['kernels_per_call']:.0f}")
-    print(f"{'+us/call':>10} {'decode':>9} {'verify':>9} {'n dec':>6} {'n ver':>6}  {'category':<8} kernel family")
+    print(f"{'+us/call':>10} {'from':>9} {'to':>9} {'n from':>6} {'n to':>6}  {'category':<8} kernel family")
     for r in families[:TOP]:
         print(f"{r['delta_us']:+10.1f} {r['us_decode']:9.1f} {r['us_verify']:9.1f} {r['n_decode']:6.1f} "
               f"{r['n_verify']:6.1f}  {r['category']:<8} {clip(r['family'])}")
@@ -299,9 +308,9 @@ def print_diff(decode: dict, verify: dict, families: list[dict], categories: lis
 
 def main() -> None:
     args = parse_args()
-    cfg, gdef, params = build_model(args.geometry, args.quantization, args.rolled_layers)
+    cfg, gdef, params = build_model(args.geometry, args.quantization, args.rolled_layers, args.layers)
     forward = make_forward(gdef, args.cache_len)
-    print(f"{args.geometry} ({args.quantization or 'bf16'} projections) on {jax.devices()[0].device_kind}; "
+    print(f"{args.geometry}{f' ({args.layers} layers)' if args.layers else ''} ({args.quantization or 'bf16'} projections) on {jax.devices()[0].device_kind}; "
           f"{args.calls} calls per pass", flush=True)
     runs, diffs = [], []
     for B in args.batch:
@@ -310,15 +319,19 @@ def main() -> None:
         passes = [("decode", 1, None)] + [(f"verify k={k} {args.rollback}", k + 1, args.rollback) for k in args.k]
         batch_runs = []
         for name, T, rollback in passes:
-            run = {"batch": B, "pass": name, "T": T, "layers": layout_name(args.rolled_layers),
-                   **profile_pass(forward, params, cache, start, B, T, rollback, args.calls)}
-            print_pass(run)
-            batch_runs.append(run)
-        decode = batch_runs[0]
-        for verify in batch_runs[1:]:
-            families, categories = diff(decode, verify, "family"), diff(decode, verify, "category")
-            print_diff(decode, verify, families, categories)
-            diffs.append({"batch": B, "pass": verify["pass"], "families": families, "categories": categories})
+            for mode in (False, True) if args.batch_invariant else (False,):
+                with batch_invariant(invariant_tile_rows() if mode else None):
+                    run = {"batch": B, "pass": name + (" in the mode" if mode else ""), "T": T,
+                           "layers": layout_name(args.rolled_layers),
+                           **profile_pass(forward, params, cache, start, B, T, rollback, args.calls)}
+                print_pass(run)
+                batch_runs.append(run)
+        pairs = (zip(batch_runs[::2], batch_runs[1::2]) if args.batch_invariant
+                 else ((batch_runs[0], verify) for verify in batch_runs[1:]))
+        for before, after in pairs:
+            families, categories = diff(before, after, "family"), diff(before, after, "category")
+            print_diff(before, after, families, categories)
+            diffs.append({"batch": B, "pass": after["pass"], "families": families, "categories": categories})
         runs += batch_runs
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"geometry": args.geometry, "quantization": args.quantization,

@@ -32,11 +32,11 @@ def timed(fn, *args, reps: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t) / reps
 
 
-def build_model(geometry: str, quantization: str | None = None, rolled: bool = False):
-    """(config, graphdef, params) of a random bf16 model of a geometry made on the device, its
-    projections in a weight-only format if given, in the layout the engine runs (the decode
-    layout on the GPU) unless `rolled`."""
-    model = random_model(geometry_config(geometry), quantization=quantization)
+def build_model(geometry: str, quantization: str | None = None, rolled: bool = False, layers: int | None = None):
+    """(config, graphdef, params) of a random bf16 model of a geometry (its first `layers` layers
+    if given) made on the device, its projections in a weight-only format if given, in the layout
+    the engine runs (the decode layout on the GPU) unless `rolled`."""
+    model = random_model(geometry_config(geometry, layers), quantization=quantization)
     if default_decode_layout() and not rolled:
         model.use_decode_layout()
     gdef, params = nnx.split(model)
