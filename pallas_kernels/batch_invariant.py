@@ -15,9 +15,9 @@ holds it. On a GPU XLA may choose a matmul's algorithm per program (cuBLAS or Tr
 of the reduction, by autotuning), so there the sums that mix a token's values run in Pallas kernels
 whose order XLA cannot change: the projections and the lm_head in `fixed_order_matmul` (one tile
 of rows at a time), attention in the flash kernel (whole query blocks, one key range) and the
-gated delta rule in its recurrent kernel called token by token. The mode is entered with
-`batch_invariant(rows)` around tracing, as `spec_jax.engine.steps.Engine` does; the layers call
-`row_tiled`, which is the plain call outside it.
+gated delta rule in its recurrent kernel, whose unrolled step is the same code for every token.
+The mode is entered with `batch_invariant(rows)` around tracing, as `spec_jax.engine.steps.Engine`
+does; the layers call `row_tiled`, which is the plain call outside it.
 """
 
 from __future__ import annotations

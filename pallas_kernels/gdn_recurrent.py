@@ -153,34 +153,43 @@ def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
     kernel on a GPU where it measured faster, the reference otherwise; under a tensor-parallel
     mesh, per device on the heads it holds (value head j reads key head j // (nv // nk), so a
     device holding a contiguous block of both has all it needs). In batch-invariant mode every
-    token of every pass runs one program: the kernel called token by token on a GPU (XLA may
-    pick its einsums' algorithms per program and per batch size), the rolled reference's step
-    elsewhere."""
+    token of every pass runs the same code: the kernel's unrolled step on a GPU
+    (`gdn_recurrent_fixed_order`; XLA may pick its einsums' algorithms per program and per batch
+    size), the rolled reference's step elsewhere."""
     heads, gates, state_spec = on_axis(4, 2), on_axis(3, 2), on_axis(4, 1)
     out_specs = (heads, state_spec) + ((on_axis(5, 2),) if keep_states else ())
     local = functools.partial(_gdn_recurrent_local, keep_states=keep_states)
     return per_device(local, (heads, heads, heads, gates, gates, state_spec), out_specs)(q, k, v, g, beta, state)
 
 
-def gdn_recurrent_by_token(q, k, v, g, beta, state, *, keep_states: bool = False, interpret: bool = False):
-    """The kernel one token at a time (a scan of T = 1 calls), so that every token of every pass
-    runs one compiled program, its rows in programs of their own: batch-invariant mode on a GPU.
-    Same arguments and results as `gdn_recurrent_reference`."""
-    def step(s, xs):
-        o, s = gdn_recurrent_pallas(*(x[:, None] for x in xs), s, interpret=interpret)
-        return s, (o[:, 0], s if keep_states else None)
+def gdn_recurrent_fixed_order(q, k, v, g, beta, state, *, keep_states: bool = False, interpret: bool = False):
+    """The kernel over passes of any length, in chunks of MAX_UNROLL tokens (the last padded with
+    g = beta = 0 tokens, which leave the state as it is): batch-invariant mode on a GPU. The kernel
+    runs every token through the same unrolled code, each row in programs of its own, so a token's
+    output does not depend on how many tokens or rows share its pass. Same arguments and results
+    as `gdn_recurrent_reference`."""
+    B, T = q.shape[:2]
+    if T <= MAX_UNROLL:
+        return gdn_recurrent_pallas(q, k, v, g, beta, state, keep_states=keep_states, interpret=interpret)
+    n = -(-T // MAX_UNROLL)
+    chunks = lambda x: jnp.moveaxis(  # noqa: E731  [B, T, ...] -> [n, B, MAX_UNROLL, ...]
+        jnp.pad(x, [(0, 0), (0, n * MAX_UNROLL - T)] + [(0, 0)] * (x.ndim - 2)).reshape(
+            B, n, MAX_UNROLL, *x.shape[2:]), 1, 0)
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, n * MAX_UNROLL, *x.shape[3:])[:, :T]  # noqa: E731
 
-    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
-    final, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), time_major)
-    o = jnp.moveaxis(o, 0, 1)
-    return (o, final, jnp.moveaxis(states, 0, 1)) if keep_states else (o, final)
+    def chunk(s, xs):
+        out = gdn_recurrent_pallas(*xs, s, keep_states=keep_states, interpret=interpret)
+        return out[1], (out[0], out[2] if keep_states else None)
+
+    final, (o, states) = jax.lax.scan(chunk, state.astype(jnp.float32), tuple(chunks(x) for x in (q, k, v, g, beta)))
+    return (unchunk(o), final, unchunk(states)) if keep_states else (unchunk(o), final)
 
 
 def _gdn_recurrent_local(q, k, v, g, beta, state, *, keep_states: bool):
     on_gpu = jax.default_backend() == "gpu"
-    if invariant_rows() is not None:  # one program for every token, whatever its pass
+    if invariant_rows() is not None:  # one unrolled code for every token, whatever its pass
         if on_gpu and kernel_fits(q[:, :1], v):
-            return gdn_recurrent_by_token(q, k, v, g, beta, state, keep_states=keep_states)
+            return gdn_recurrent_fixed_order(q, k, v, g, beta, state, keep_states=keep_states)
         return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states, unroll=False)
     wins = q.shape[1] >= KERNEL_MIN_TOKENS and not keep_states
     if on_gpu and wins and kernel_fits(q, v):

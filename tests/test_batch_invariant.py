@@ -113,17 +113,17 @@ def gdn_inputs(B, T):
 
 def test_on_a_gpu_the_mode_runs_every_gdn_token_through_one_kernel_program(monkeypatch):
     """The GPU's dispatcher picks the Pallas kernel or XLA's unrolled steps by pass length, which
-    round differently; in the mode every pass, of any length, goes token by token through the
-    kernel (here in interpret mode: on the CPU a real kernel launch would fail)."""
+    round differently; in the mode every pass, of any length, goes through the kernel (here in
+    interpret mode: on the CPU a real kernel launch would fail)."""
     from pallas_kernels import gdn_recurrent as gdn
 
-    calls, kernel = [], gdn.gdn_recurrent_by_token
+    calls, kernel = [], gdn.gdn_recurrent_fixed_order
 
-    def by_token(*args, **kwargs):
+    def fixed_order(*args, **kwargs):
         calls.append(args[0].shape[1])
         return kernel(*args, **kwargs, interpret=True)
 
-    monkeypatch.setattr(gdn, "gdn_recurrent_by_token", by_token)
+    monkeypatch.setattr(gdn, "gdn_recurrent_fixed_order", fixed_order)
     monkeypatch.setattr(gdn.jax, "default_backend", lambda: "gpu")
     with batch_invariant(8):
         for T in (1, 4, 40):
@@ -134,19 +134,25 @@ def test_on_a_gpu_the_mode_runs_every_gdn_token_through_one_kernel_program(monke
     assert calls == [1, 4, 40]
 
 
-def test_the_token_by_token_kernel_gives_a_token_the_same_output_in_any_pass():
-    """Token 0 of row 0: alone, first of a 4-token pass, and beside two other rows: bit for bit;
-    keep_states returns the state after each token."""
-    from pallas_kernels.gdn_recurrent import gdn_recurrent_by_token, gdn_recurrent_reference
+def test_the_modes_gdn_kernel_gives_a_token_the_same_output_in_any_pass():
+    """Token 0 of row 0: alone, first of a 4-token pass, beside two other rows and first of a
+    40-token pass (two chunks): bit for bit; keep_states returns the state after each token,
+    across chunks too."""
+    from pallas_kernels.gdn_recurrent import gdn_recurrent_fixed_order, gdn_recurrent_reference
 
-    run = lambda B, T, **kw: gdn_recurrent_by_token(*gdn_inputs(B, T), interpret=True, **kw)  # noqa: E731
+    run = lambda B, T, **kw: gdn_recurrent_fixed_order(*gdn_inputs(B, T), interpret=True, **kw)  # noqa: E731
     alone, _ = run(1, 1)
     in_verify, _, states = run(1, 4, keep_states=True)
     in_batch, _ = run(3, 1)
-    np.testing.assert_array_equal(in_verify[0, 0], alone[0, 0])
-    np.testing.assert_array_equal(in_batch[0, 0], alone[0, 0])
-    _, want_final, want_states = gdn_recurrent_reference(*gdn_inputs(1, 4), keep_states=True)
+    in_prefill, final, long_states = run(1, 40, keep_states=True)
+    for other in (in_verify, in_batch, in_prefill):
+        np.testing.assert_array_equal(other[0, 0], alone[0, 0])
+    _, _, want_states = gdn_recurrent_reference(*gdn_inputs(1, 4), keep_states=True)
     np.testing.assert_allclose(states, want_states, rtol=1e-5, atol=1e-5)
+    want_o, want_final, want_states = gdn_recurrent_reference(*gdn_inputs(1, 40), keep_states=True)
+    np.testing.assert_allclose(in_prefill, want_o, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(final, want_final, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(long_states, want_states, rtol=1e-4, atol=1e-4)
 
 
 def test_the_modes_flash_attention_gives_a_query_the_same_output_in_any_pass():
