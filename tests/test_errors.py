@@ -139,14 +139,32 @@ def test_sampling_params_are_typed_and_bounded(kwargs, message):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("prompts, message", [
+NOT_IDS = [
     ([[1.5, 2.7]], r"prompt_token_ids\[0\] has 1.5 \(float\) where a token id"),
-    ("123", "prompt_token_ids must be a list of token-id lists, got '123'"),
     ([[True, 2]], r"prompt_token_ids\[0\] has True"),
-])
+    ([[0, 1, 5, False]], r"prompt_token_ids\[0\] has False \(bool\)"),
+    ([[2, np.True_]], r"prompt_token_ids\[0\] has np.True_ \(bool\)"),
+    ([[2, np.float32(3)]], r"prompt_token_ids\[0\] has np.float32\(3.0\) \(float32\)"),
+]
+
+
+@pytest.mark.parametrize("prompts, message", [
+    *NOT_IDS, ("123", "prompt_token_ids must be a list of token-id lists, got '123'")])
 def test_prompt_token_ids_are_not_coerced(tiny_llm, prompts, message):
     with pytest.raises(ValueError, match=message):
         tiny_llm.generate(prompt_token_ids=prompts)
+
+
+@pytest.mark.parametrize("prompts, message", NOT_IDS)
+def test_prefill_does_not_coerce_prompt_token_ids(tiny_llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_llm.prefill(prompts)
+
+
+def test_integer_ids_of_any_kind_come_back_as_plain_ints(tiny_llm):
+    ids = tiny_llm.tokenize([np.int64(3), np.uint8(0), 1, np.int32(7)])
+    assert ids == [3, 0, 1, 7] and {type(t) for t in ids} == {int}
+    assert tiny_llm.tokenize(np.array([4, 5], np.int16)) == [4, 5]
 
 
 @pytest.mark.parametrize("kwargs, message", [({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),

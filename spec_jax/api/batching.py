@@ -40,8 +40,9 @@ def row_keys(seeds: Sequence[int], rows: int) -> jax.Array:
 class AssembledBatch:
     """B bucket rows, the first n real: tokens [B, T] int32 right-padded, lengths [B],
     max_lengths [B] (prompt + budget, capped at max_model_len), stop_ids [B, S] (-1 padded),
-    sampling (`RowSampling`), done [B] (padding rows), speculate [B]; stops: each real row's
-    stop ids; do_sample: whether any row samples."""
+    sampling (`RowSampling`; temperature, top_k and top_p on the host, as the arrays above),
+    done [B] (padding rows), speculate [B]; stops: each real row's stop ids; do_sample: whether
+    any row samples."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -87,8 +88,8 @@ def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequen
     speculate[:n] = [p.speculative for p in params]
     pad = lambda values, fill, dtype: np.asarray(list(values) + [fill] * (B - n), dtype)  # noqa: E731
     temperature = pad((p.temperature for p in params), 0.0, np.float32)
-    sampling = RowSampling(jnp.asarray(temperature), jnp.asarray(pad((max(p.top_k, 0) for p in params), 0, np.int32)),
-                           jnp.asarray(pad((p.top_p for p in params), 1.0, np.float32)), row_keys(seeds, B),
+    sampling = RowSampling(temperature, pad((max(p.top_k, 0) for p in params), 0, np.int32),
+                           pad((p.top_p for p in params), 1.0, np.float32), row_keys(seeds, B),
                            **logit_processors(params, lengths, stop_ids, B, vocab_size, bad_words, processors))
     return AssembledBatch(tokens, lengths, max_lengths, stop_ids, sampling, np.arange(B) >= n, speculate, stops,
                           bool((temperature > 0).any()))

@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
+import array
 import copy
 import functools
 import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,20 @@ MAX_NUM_SEQS_SIZED = 256  # vLLM's default max_num_seqs: the cap when gpu_memory
 def device_memory() -> dict:
     """The first device's memory figures (`bytes_limit`, `bytes_in_use`); empty where it reports none (the CPU)."""
     return jax.devices()[0].memory_stats() or {}
+
+
+def integer_array(ids: Sequence[int] | np.ndarray) -> np.ndarray | None:
+    """ids [T] as an integer array (a list's as int64, an integer array as it is), or None where
+    one is not an integer (a bool, a float, ...) or does not fit 64 bits. A list is read in one
+    pass in C, not one for its set of types and another to convert it."""
+    if isinstance(ids, np.ndarray):
+        return ids if np.issubdtype(ids.dtype, np.integer) else None
+    try:  # array("q") takes exactly the objects with __index__, of which bool is one
+        values = np.frombuffer(array.array("q", ids), np.int64)
+    except (TypeError, OverflowError):
+        return None
+    maybe_bool = np.flatnonzero(values <= 1)  # True and False are read as 1 and 0
+    return None if any(isinstance(ids[i], bool) for i in maybe_bool) else values
 
 
 def checked_batch_buckets(buckets, max_num_seqs: int) -> tuple[int, ...] | None:
@@ -324,35 +339,38 @@ class LLM:
     # ------------------------------------------------------------------ inputs
 
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        """`_id_array`'s check, the ids returned as a new list of plain ints (the caller may extend
+        its list for the next turn)."""
+        return self._id_array(ids, what).tolist()
+
+    def _id_array(self, ids: Sequence[int], what: str) -> np.ndarray:
+        """A prompt's token ids [T] checked (ValueError naming `what` for a non-integer, an empty
+        prompt, an id outside the vocabulary, or no room left for a generated token), as
+        `integer_array` gives them."""
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | np.ndarray):
             raise ValueError(f"{what} must be a list of token ids, got {ids!r}")
-        # Integers in range, checked by their set of types and as one array (a 16k-token prompt
-        # took 11 ms element by element).
-        kinds = {ids.dtype.type} if isinstance(ids, np.ndarray) else set(map(type, ids))
-        integers = all(issubclass(k, (int, np.integer)) and k is not bool for k in kinds)
-        array = None
-        if integers and len(ids):
-            try:
-                array = ids if isinstance(ids, np.ndarray) else np.fromiter(ids, np.int64, len(ids))
-            except OverflowError:  # an id past 64 bits: named below
-                pass
-        if array is not None and array.ndim == 1 and 0 <= array.min() and array.max() < self.cfg.vocab_size:
-            # a copy either way (the caller may extend its list for the next turn); plain ints as they are
-            ids = list(ids) if kinds == {int} else array.tolist()
-        else:  # find the value to name in the error
-            wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
-            if wrong:
-                raise ValueError(f"{what} has {wrong[0]!r} ({type(wrong[0]).__name__}) where a token id (an integer) "
-                                 f"belongs")
-            if not len(ids):
-                raise ValueError(f"{what} is empty; a prompt needs at least one token")
-            bad = [int(t) for t in ids if not 0 <= t < self.cfg.vocab_size]
-            raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        values = integer_array(ids)
+        if values is None or values.ndim != 1 or not len(values) or not self._in_vocabulary(values):
+            self._name_bad_id(ids, what)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"{what} has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                 f"it must be shorter to leave room for at least one generated token")
-        return ids
+        return values
+
+    def _in_vocabulary(self, ids: np.ndarray) -> bool:
+        return 0 <= ids.min() and ids.max() < self.cfg.vocab_size
+
+    def _name_bad_id(self, ids: Sequence[int], what: str) -> NoReturn:
+        """Raise ValueError naming the first value of ids that is not a token id of the vocabulary."""
+        wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if wrong:
+            raise ValueError(f"{what} has {wrong[0]!r} ({type(wrong[0]).__name__}) where a token id (an integer) "
+                             f"belongs")
+        if not len(ids):
+            raise ValueError(f"{what} is empty; a prompt needs at least one token")
+        bad = [int(t) for t in ids if not 0 <= t < self.cfg.vocab_size]
+        raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
 
     def _encode(self, prompt: str, what: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -503,7 +521,10 @@ class LLM:
         proposer state, `stats`); rows past the prompts are padding and start done. Step it with
         `decode`; row i's tokens are `tokens[i, len(prompt_i):lengths[i]]`.
         """
-        ids = [self.tokenize(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
+        ids = []  # checked, as arrays: the batch is assembled from them without converting each id again
+        for i, prompt in enumerate(prompt_token_ids):
+            what = f"prompt_token_ids[{i}]"
+            ids.append(self._id_array(self._encode(prompt, what) if isinstance(prompt, str) else prompt, what))
         if not 1 <= len(ids) <= self.engine.max_num_seqs:
             raise ValueError(f"got {len(ids)} prompts; prefill takes 1 to max_num_seqs={self.engine.max_num_seqs}")
         params = sampling_params or SamplingParams()
