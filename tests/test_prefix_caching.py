@@ -189,6 +189,18 @@ def test_blocks_the_device_evicts_come_back_from_host_memory(cached_llm):
     assert_bitwise(got, llm.prefill([A[:140]], [GREEDY]))
 
 
+def test_a_hits_programs_take_only_the_weights_they_read(cached_llm):
+    """Each argument of a program costs host time at every call: a restore takes no weights, and
+    start_decode without a proposer fewer than a block pass."""
+    llm = cached_llm.with_speculation(None)
+    for _ in range(2):  # a miss, then a hit
+        llm.prefill([A], [GREEDY])
+    engine = llm.engine
+    taken = {key[0]: len(params) for key, (_, params) in engine.executables.items()}
+    assert taken["restore_blocks"] == 0
+    assert taken["start_decode"] < taken["prefill_block"] <= len(engine.param_leaves)
+
+
 def test_keys_cover_the_whole_prefix():
     """Two prompts with the same second block after different first blocks share no key."""
     store = PrefixCache("root", BLOCK, 10**9)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.extend.core import Var
 from jax.sharding import Mesh
 
 from models.layers import Batch, KVCache
@@ -230,10 +231,16 @@ def restored_parts(blocks: Sequence[Block], *, deepest: bool) -> tuple[Block, ..
     """What `restore_blocks` reads of a run of blocks: their KV slices, and the GDN caches of the
     last one when it is the deepest block the row resumes from (earlier ones would be
     overwritten); the rest stays out of the call's arguments."""
-    def slim(block, keep_state):
-        return Block(tuple(c if isinstance(c, KVCache) or keep_state else None for c in block.cache))
+    kv_groups = [j for j, c in enumerate(blocks[0].cache) if isinstance(c, KVCache)]
 
-    return tuple(slim(b, deepest and i == len(blocks) - 1) for i, b in enumerate(blocks))
+    def kv_only(block):  # a hit runs this for each of its blocks: no per-group test
+        parts = [None] * len(block.cache)
+        for j in kv_groups:
+            parts[j] = block.cache[j]
+        return Block(tuple(parts))
+
+    last = Block(blocks[-1].cache) if deepest else kv_only(blocks[-1])
+    return (*map(kv_only, blocks[:-1]), last)
 
 
 def generated_before(state: DecodeState, drafts: jax.Array | None = None) -> jax.Array | None:
@@ -450,6 +457,13 @@ def default_decode_layout() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def read_inputs(jaxpr, n: int) -> list[int]:
+    """Which of a jaxpr's first n inputs its equations or outputs read, in order."""
+    read = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)}
+    read.update(v for v in jaxpr.outvars if isinstance(v, Var))
+    return [i for i, v in enumerate(jaxpr.invars[:n]) if v in read]
+
+
 def describe_shapes(args) -> str:
     """The bucket an executable serves, for log lines: batch rows x tokens of its first array."""
     first = next((a for a in jax.tree.leaves(args) if getattr(a, "ndim", 0) >= 1), None)
@@ -513,17 +527,29 @@ class Engine:
         return bucket(n, CHUNK, self.cache_len)
 
     def _compiled(self, name, fn, *args, static=(), donate=()):
-        """AOT-compile `fn(model, *args)` once per (name, shapes, static) and run it."""
+        """AOT-compile `fn(model, draft, *args)` once per (name, shapes, static) and run it."""
         leaves, structure = jax.tree.flatten(args)
         key = (name, structure, tuple((a.shape, a.dtype) for a in leaves), static)
         if key not in self.executables:
             t0 = time.perf_counter()
-            jitted = jax.jit(self._on_params(fn), donate_argnums=tuple(i + 1 for i in donate))
-            with self.tracing():
-                lowered = jitted.lower(self.param_leaves, *args)
-            self.executables[key] = lowered.compile(compiler_options=self.compiler_options)
+            self.executables[key] = self._compile(fn, args, donate)
             log.info("compiled %s for %s in %.1f s", name, describe_shapes(args), time.perf_counter() - t0)
-        return self.executables[key](self.param_leaves, *args)
+        program, params = self.executables[key]
+        return program(params, *args)
+
+    def _compile(self, fn, args, donate) -> tuple[jax.stages.Compiled, list]:
+        """`fn(model, draft, *args)` compiled as a function of the parameter leaves it reads and
+        `args` (donate: the indices of args donated). Returns (program, those leaves): each leaf a
+        program takes costs host time at every call, and a restore or start_decode reads few or none."""
+        donate_argnums = tuple(i + 1 for i in donate)
+        with self.tracing():
+            traced = jax.jit(self._on_params(fn), donate_argnums=donate_argnums).trace(self.param_leaves, *args)
+            used = read_inputs(traced.jaxpr, len(self.param_leaves))
+            params = [self.param_leaves[i] for i in used]
+            if len(used) < len(self.param_leaves):
+                traced = jax.jit(self._on_params(fn, used), donate_argnums=donate_argnums).trace(params, *args)
+            lowered = traced.lower()
+        return lowered.compile(compiler_options=self.compiler_options), params
 
     @contextlib.contextmanager
     def tracing(self):
@@ -533,11 +559,16 @@ class Engine:
             with batch_invariant(self.invariant_rows):
                 yield
 
-    def _on_params(self, fn):
-        """fn(model, draft, *a) as a function of the flat parameters: run(param_leaves, *a)."""
-        graphdef, tree = self.graphdef, self.param_tree
+    def _on_params(self, fn, used: Sequence[int] | None = None):
+        """fn(model, draft, *a) as a function of the flat parameters: run(param_leaves, *a); with
+        `used`, of those leaves only: run([param_leaves[i] for i in used], *a), the others traced
+        as zeros (fn never reads them, so they compile away)."""
+        graphdef, tree, everything = self.graphdef, self.param_tree, self.param_leaves
 
         def run(leaves, *a):
+            if used is not None:
+                given = dict(zip(used, leaves))
+                leaves = [given[i] if i in given else jnp.zeros(x.shape, x.dtype) for i, x in enumerate(everything)]
             model, draft = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
             return fn(model, draft, *a)
 
@@ -587,7 +618,8 @@ class Engine:
         store, C = self.prefix_cache, self.prefix_cache.block_size
         tokens, lengths, padding = np.asarray(prompts), np.asarray(prompt_lengths), np.asarray(done)
         width = -(-tokens.shape[1] // C) * C
-        tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
+        if width > tokens.shape[1]:
+            tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
         fresh = partial(self._compiled, "empty_row", lambda model, draft: init_cache(model.cfg, 1, self.cache_len,
                                                                                       model.dtype))
         run_block = partial(prefill_block, cache_len=self.cache_len, plan=self.plan)
@@ -599,15 +631,9 @@ class Engine:
                 ids = tokens[b, :lengths[b]]
                 keys = store.keys(ids)
                 found = store.lookup(ids, keys)
-                restored = 0
-                for run in powers_of_two(len(found)):  # few programs, few calls: one per power of two
-                    parts = restored_parts(found[restored:restored + run], deepest=restored + run == len(found))
-                    cache = self._compiled("restore_blocks", partial(restore_blocks, cache_len=self.cache_len), cache,
-                                           parts, np.asarray(restored * C, np.int32), donate=(0,))
-                    restored += run
-                cache = fresh() if cache is None else cache
+                cache = self._restore(found) if found else fresh()
                 outputs[-1] += [(blk.hidden, blk.taps) for blk in found]
-                for i in range(restored, -(-len(ids) // C)):
+                for i in range(len(found), -(-len(ids) // C)):
                     cache, block = self._compiled("prefill_block", run_block, cache, tokens[b:b + 1, i * C:(i + 1) * C],
                                                   np.asarray([i * C], np.int32),
                                                   np.asarray([min(C, len(ids) - i * C)], np.int32), donate=(0,))
@@ -622,6 +648,19 @@ class Engine:
         hidden, taps = self._assemble_outputs(outputs, width) if self.plan else (None, None)
         cache = caches[0] if len(caches) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *caches)
         return cache, last_blocks, hidden, taps, tokens
+
+    def _restore(self, found: Sequence[Block]):
+        """A fresh row's caches resumed from its cached blocks `found` (in prompt order, at least
+        one): one restore call per power of two of them, waited for."""
+        cache, restored, C = None, 0, self.prefix_cache.block_size
+        for run in powers_of_two(len(found)):  # few programs, few calls: one per power of two
+            parts = restored_parts(found[restored:restored + run], deepest=restored + run == len(found))
+            cache = self._compiled("restore_blocks", partial(restore_blocks, cache_len=self.cache_len), cache,
+                                   parts, np.asarray(restored * C, np.int32), donate=(0,))
+            restored += run
+        # Waited for: on the H200 at 27B dims, dispatching the block pass on caches still being
+        # written costs about 10 ms more host time than the restore takes to finish (about 1.3 ms).
+        return jax.block_until_ready(cache)
 
     def _assemble_outputs(self, outputs, width: int):
         """Rows' block outputs [(hidden [1, C, H] or None, taps or None), ...] -> hidden [B, W, H]
