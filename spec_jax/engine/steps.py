@@ -538,18 +538,22 @@ class Engine:
         return program(params, *args)
 
     def _compile(self, fn, args, donate) -> tuple[jax.stages.Compiled, list]:
-        """`fn(model, draft, *args)` compiled as a function of the parameter leaves it reads and
-        `args` (donate: the indices of args donated). Returns (program, those leaves): each leaf a
-        program takes costs host time at every call, and a restore or start_decode reads few or none."""
+        """`fn(model, draft, *args)` compiled as a function of the parameter leaves and `args`
+        (donate: the indices of args donated). Returns (program, the leaves it takes): each leaf
+        costs host time at every call, so a program that reads few of them (a restore reads none,
+        start_decode one or two) is traced again over those alone; a model pass, which reads most,
+        takes them all rather than pay a second trace at compile time."""
         donate_argnums = tuple(i + 1 for i in donate)
         with self.tracing():
             traced = jax.jit(self._on_params(fn), donate_argnums=donate_argnums).trace(self.param_leaves, *args)
             used = read_inputs(traced.jaxpr, len(self.param_leaves))
-            params = [self.param_leaves[i] for i in used]
-            if len(used) < len(self.param_leaves):
-                traced = jax.jit(self._on_params(fn, used), donate_argnums=donate_argnums).trace(params, *args)
+            if len(used) <= len(self.param_leaves) // 2:
+                traced = jax.jit(self._on_params(fn, used), donate_argnums=donate_argnums).trace(
+                    [self.param_leaves[i] for i in used], *args)
+            else:
+                used = range(len(self.param_leaves))
             lowered = traced.lower()
-        return lowered.compile(compiler_options=self.compiler_options), params
+        return lowered.compile(compiler_options=self.compiler_options), [self.param_leaves[i] for i in used]
 
     @contextlib.contextmanager
     def tracing(self):
