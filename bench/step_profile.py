@@ -310,7 +310,8 @@ def main() -> None:
     args = parse_args()
     cfg, gdef, params = build_model(args.geometry, args.quantization, args.rolled_layers, args.layers)
     forward = make_forward(gdef, args.cache_len)
-    print(f"{args.geometry}{f' ({args.layers} layers)' if args.layers else ''} ({args.quantization or 'bf16'} projections) on {jax.devices()[0].device_kind}; "
+    layers = f" ({args.layers} layers)" if args.layers else ""
+    print(f"{args.geometry}{layers} ({args.quantization or 'bf16'} projections) on {jax.devices()[0].device_kind}; "
           f"{args.calls} calls per pass", flush=True)
     runs, diffs = [], []
     for B in args.batch:

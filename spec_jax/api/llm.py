@@ -383,7 +383,11 @@ class LLM:
         """A prompt's token ids, checked: text through the checkpoint's tokenizer, ids as given.
         Raises ValueError naming `what` for an empty prompt, an id outside the vocabulary, or a
         prompt that leaves no room for a generated token under max_model_len."""
-        return self._check_ids(self._encode(prompt, what) if isinstance(prompt, str) else prompt, what)
+        return self._prompt_ids(prompt, what).tolist()
+
+    def _prompt_ids(self, prompt: str | Sequence[int], what: str) -> np.ndarray:
+        """`tokenize`'s ids as the checked array [T] (`_id_array`)."""
+        return self._id_array(self._encode(prompt, what) if isinstance(prompt, str) else prompt, what)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Full-sequence target logits: token_ids [T] -> np.ndarray [T, vocab] float32."""
@@ -521,10 +525,8 @@ class LLM:
         proposer state, `stats`); rows past the prompts are padding and start done. Step it with
         `decode`; row i's tokens are `tokens[i, len(prompt_i):lengths[i]]`.
         """
-        ids = []  # checked, as arrays: the batch is assembled from them without converting each id again
-        for i, prompt in enumerate(prompt_token_ids):
-            what = f"prompt_token_ids[{i}]"
-            ids.append(self._id_array(self._encode(prompt, what) if isinstance(prompt, str) else prompt, what))
+        # checked, as arrays: the batch is assembled from them without converting each id again
+        ids = [self._prompt_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
         if not 1 <= len(ids) <= self.engine.max_num_seqs:
             raise ValueError(f"got {len(ids)} prompts; prefill takes 1 to max_num_seqs={self.engine.max_num_seqs}")
         params = sampling_params or SamplingParams()

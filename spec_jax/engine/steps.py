@@ -547,13 +547,12 @@ class Engine:
         with self.tracing():
             traced = jax.jit(self._on_params(fn), donate_argnums=donate_argnums).trace(self.param_leaves, *args)
             used = read_inputs(traced.jaxpr, len(self.param_leaves))
+            params = self.param_leaves
             if len(used) <= len(self.param_leaves) // 2:
-                traced = jax.jit(self._on_params(fn, used), donate_argnums=donate_argnums).trace(
-                    [self.param_leaves[i] for i in used], *args)
-            else:
-                used = range(len(self.param_leaves))
+                params = [self.param_leaves[i] for i in used]
+                traced = jax.jit(self._on_params(fn, used), donate_argnums=donate_argnums).trace(params, *args)
             lowered = traced.lower()
-        return lowered.compile(compiler_options=self.compiler_options), [self.param_leaves[i] for i in used]
+        return lowered.compile(compiler_options=self.compiler_options), params
 
     @contextlib.contextmanager
     def tracing(self):
