@@ -1,10 +1,18 @@
 """Acceptance of every drafter of a trained model on held-out prose and code, and spec-on against
 spec-off decode speed (greedy, jitted, warm: each configuration runs once to compile, then is
-timed on a second run), against each method's bound: its tokens over its steps, each step timed
-as the oracle's step at the same k (the oracle's drafts cost nothing, so its step is the verify
-pass and the bookkeeping alone), or as a plain step where the method drafted nothing. "of bound" is the speedup over that bound: what drafting and anything else the
-method adds leave of it. Where greedy spec-on output leaves spec-off's, the target's logit gap between
-the two tokens at the first difference is reported: bf16 rounding can only flip a near-tie.
+timed on a second run), against two bounds built from the method's measured acceptance (its
+tokens over its steps, a step where it drafted nothing timed as a plain step):
+- "free drafting": each drafting step timed as the oracle's step at the same k (the oracle's
+  drafts cost nothing, so its step is the verify pass and the bookkeeping alone);
+- "at c": each drafting step timed as the oracle's step plus the drafter's own cost k c (in
+  plain steps), the per-step cost of the speculative-decoding bound S = E[tokens] / (1 + k c).
+  The drafter's cost is measured with every draft rejected: the method's step at synthetic
+  acceptance 0 less the oracle's step with every draft corrupted, so work that grows with the
+  tokens accepted is in neither.
+"of bound" is the speedup over a bound: against the first, what drafting and anything else the
+method adds leave; against the second, what is lost beyond the drafter's cost at acceptance 0.
+Where greedy spec-on output leaves spec-off's, the target's logit gap between the two tokens at
+the first difference is reported: bf16 rounding can only flip a near-tie.
 
     python -m bench.acceptance --model spec_jax/assets/default --corpus corpus.npz --out results/acceptance
 
@@ -68,15 +76,30 @@ def timed_run(llm: LLM, prompts, params: SamplingParams, batch: int) -> tuple[di
     return row, [o.outputs[0].token_ids for o in outs]
 
 
-def bound(row: dict, plain_step_ms: float, batch: int) -> float:
-    """The speedup a method would reach if its drafting cost nothing: its tokens over its steps
-    each timed as the oracle's verify step, or as a plain step where it drafted nothing (a row
-    alone in its batch: the step then runs the one-token pass)."""
+def bound(row: dict, drafting_ms: float, plain_step_ms: float, batch: int) -> float:
+    """The speedup a method reaches at its measured acceptance when each step that drafted takes
+    `drafting_ms` and each step that drafted nothing a plain step (a row alone in its batch then
+    runs the one-token pass)."""
     if batch > 1:  # steps where no row drafted are not counted: every step verifies
-        return row["mean_acceptance_length"] * plain_step_ms / row["oracle_step_ms"]
+        return row["mean_acceptance_length"] * plain_step_ms / drafting_ms
     plain_steps = row["steps"] - row["drafted_steps"]
-    ideal_ms = row["drafted_steps"] * row["oracle_step_ms"] + plain_steps * plain_step_ms
+    ideal_ms = row["drafted_steps"] * drafting_ms + plain_steps * plain_step_ms
     return row["generated"] * plain_step_ms / ideal_ms
+
+
+def drafting_step_ms(row: dict, plain_step_ms: float, batch: int) -> float:
+    """The mean time of a step that drafted, from a run's decode time less its steps that drafted
+    nothing (a row alone in its batch then runs the one-token pass, timed as a plain step)."""
+    if batch > 1:
+        return row["step_ms"]
+    plain_steps = row["steps"] - row["drafted_steps"]
+    return (row["step_ms"] * row["steps"] - plain_steps * plain_step_ms) / max(row["drafted_steps"], 1)
+
+
+def rejecting(spec: dict) -> dict:
+    """The same drafter with every draft rejected (synthetic acceptance 0)."""
+    k = spec["num_speculative_tokens"]
+    return {**spec, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.0] * k}
 
 
 def divergence_gaps(llm: LLM, prompts, got, want) -> list[float]:
@@ -102,14 +125,17 @@ def label(spec: dict | None) -> str:
 
 def markdown(rows: list[dict], device: str) -> str:
     lines = [f"Device: {device}. Greedy; decode tokens/s after a compile run.", "",
-             ("| kind | method | acceptance rate | mean acceptance length | per position | tok/s | step ms | speedup | "
-              "bound | of bound | same output | largest divergence gap |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("| kind | method | acceptance rate | mean acceptance length | per position | tok/s | step ms | speedup "
+              "| bound, free drafting | of bound | c | bound at c | of bound at c | same output "
+              "| largest divergence gap |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         per_pos = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position", []))
         acc = f"{r['acceptance_rate']:.3f}" if "acceptance_rate" in r else "-"
         mal = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else "-"
-        bound = f"{r['bound']:.2f}x | {r['speedup'] / r['bound']:.2f}" if "bound" in r else "- | -"
+        bound = (f"{r['bound']:.2f}x | {r['speedup'] / r['bound']:.2f} | {r['cost_ratio']:.3f} | "
+                 f"{r['bound_at_c']:.2f}x | {r['speedup'] / r['bound_at_c']:.2f}"
+                 if "bound" in r else "- | - | - | - | -")
         lines.append(f"| {r['kind']} | {r['method']} | {acc} | {mal} | {per_pos or '-'} | {r['decode_tok_s']:.1f} | "
                      f"{r['step_ms']:.3f} | {r['speedup']:.2f}x | {bound} | {r['same_output']}/{r['prompts']} | "
                      f"{max(r['divergence_gaps']) if r['divergence_gaps'] else '-'} |")
@@ -126,6 +152,8 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1, help="rows per decode batch")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="held-out text kinds")
+    ap.add_argument("--methods", nargs="+", default=None, help="only methods whose row name starts so")
     ap.add_argument("--extra-spec", action="append", default=[], help="a further speculative config (JSON)")
     args = ap.parse_args(argv)
 
@@ -135,13 +163,21 @@ def main(argv=None) -> None:
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     device = jax.devices()[0].device_kind
     rows = []
-    for kind in KINDS:
+    for kind in args.kinds:
         prompts = prompts_for(kind, args, base)
         plain, reference = timed_run(base, prompts, params, args.batch)
         specs = speculative_configs(model_dir, base.model.mtp is not None) + [json.loads(s) for s in args.extra_spec]
-        oracle_step_ms = {k: timed_run(base.with_speculation({"method": "oracle", "num_speculative_tokens": k}),
-                                       prompts, params, args.batch)[0]["step_ms"]
-                          for k in sorted({spec["num_speculative_tokens"] for spec in specs})}
+        if args.methods is not None:
+            specs = [spec for spec in specs if label(spec).startswith(tuple(args.methods))]
+        oracle = {"method": "oracle"}
+        ks = sorted({spec["num_speculative_tokens"] for spec in specs})
+        oracle_step_ms = {k: timed_run(base.with_speculation({**oracle, "num_speculative_tokens": k}),
+                                       prompts, params, args.batch)[0]["step_ms"] for k in ks}
+        wrong = {**oracle, "oracle_corruption_rate": 1.0}  # every draft a wrong token: acceptance 0
+        oracle_rejecting_ms = {k: timed_run(base.with_speculation({**wrong, "num_speculative_tokens": k}),
+                                            prompts, params, args.batch)[0]["step_ms"] for k in ks}
+        print(json.dumps({"kind": kind, "plain_step_ms": plain["step_ms"], "oracle_step_ms": oracle_step_ms,
+                          "oracle_rejecting_step_ms": oracle_rejecting_ms}), flush=True)
         for spec in [None, *specs]:
             engine_spec = None if spec is None else {k: v for k, v in spec.items() if k != "label"}
             r, tokens = (plain, reference) if spec is None else timed_run(base.with_speculation(engine_spec), prompts,
@@ -152,7 +188,14 @@ def main(argv=None) -> None:
                  "divergence_gaps": divergence_gaps(base, prompts, tokens, reference)}
             if spec is not None:
                 r["oracle_step_ms"] = oracle_step_ms[spec["num_speculative_tokens"]]
-                r["bound"] = bound(r, plain["step_ms"], args.batch)
+                r["bound"] = bound(r, r["oracle_step_ms"], plain["step_ms"], args.batch)
+                k = spec["num_speculative_tokens"]
+                rejected = timed_run(base.with_speculation(rejecting(engine_spec)), prompts, params, args.batch)[0]
+                r["rejecting_step_ms"] = drafting_step_ms(rejected, plain["step_ms"], args.batch)
+                r["oracle_rejecting_step_ms"] = oracle_rejecting_ms[k]
+                drafter_ms = max(r["rejecting_step_ms"] - oracle_rejecting_ms[k], 0.0)
+                r["cost_ratio"] = drafter_ms / (k * plain["step_ms"])
+                r["bound_at_c"] = bound(r, r["oracle_step_ms"] + drafter_ms, plain["step_ms"], args.batch)
             rows.append(r)
             print(json.dumps(r), flush=True)
     out = Path(args.out)
