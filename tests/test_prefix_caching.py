@@ -13,6 +13,7 @@ from spec_jax import LLM, SamplingParams
 from spec_jax.api.scheduler import Scheduler
 from spec_jax.api.server import prometheus_text
 from spec_jax.engine.prefix_cache import PrefixCache
+from spec_jax.engine.steps import KERNEL_BY_KERNEL
 from spec_jax.writing.random_checkpoint import main as write_drafter
 
 BLOCK = 64  # the CPU default
@@ -201,6 +202,28 @@ def test_a_hits_programs_take_only_the_weights_they_read(cached_llm):
     assert taken["restore_blocks"] == 0
     assert taken["start_decode"] <= len(engine.param_leaves) // 2
     assert taken["prefill_block"] == len(engine.param_leaves)
+
+
+def test_a_block_pass_launches_kernel_by_kernel_unless_the_user_says_otherwise(tiny_dir, monkeypatch):
+    """A block pass compiles without XLA's command buffers (its caches move between calls); the
+    other programs keep the defaults, and an engine's own compiler_options win over the pass's."""
+    seen = []
+    compile_ = jax.stages.Lowered.compile
+
+    def recording(self, compiler_options=None):
+        seen.append(compiler_options)
+        return compile_(self, compiler_options)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
+    for user in (None, {"xla_gpu_enable_command_buffer": "FUSION"}):
+        llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=1, enable_prefix_caching=True,
+                  compiler_options=user)
+        seen.clear()
+        llm.prefill([A], [GREEDY])  # compiles empty_row, prefill_block and start_decode
+        if user is None:
+            assert seen.count(KERNEL_BY_KERNEL) == 1 and seen.count(None) == len(seen) - 1
+        else:
+            assert seen == [user] * len(seen)
 
 
 def test_keys_cover_the_whole_prefix():
