@@ -194,9 +194,9 @@ def main(argv=None) -> None:
                  "same_output": sum(a == b for a, b in zip(tokens, reference)),
                  "divergence_gaps": divergence_gaps(base, prompts, tokens, reference)}
             if spec is not None:
-                r["oracle_step_ms"] = oracle_step_ms[spec["num_speculative_tokens"]]
-                r["bound"] = bound(r, r["oracle_step_ms"], plain["step_ms"], args.batch)
                 k = spec["num_speculative_tokens"]
+                r["oracle_step_ms"] = oracle_step_ms[k]
+                r["bound"] = bound(r, r["oracle_step_ms"], plain["step_ms"], args.batch)
                 rejected = timed(base.with_speculation(rejecting(engine_spec)))[0]
                 r["rejecting_step_ms"] = drafting_step_ms(rejected, plain["step_ms"], args.batch)
                 r["oracle_rejecting_step_ms"] = oracle_rejecting_ms[k]
