@@ -9,14 +9,17 @@ reference, XLA's masked softmax (`models.layers.attend_masked`), elsewhere. XLA 
 output tile and its running max and sum in registers while it walks the key blocks (online
 softmax), and stops at the last key block its queries can see.
 
-One program per (row, query head, block of BLOCK_Q queries, range of keys); query head h reads key
-head h // (nq // nkv). A pass with few query blocks over a long cache (a prefix-cache block pass)
+One program per (row, query head, block of queries, range of keys); query head h reads key head
+h // (nq // nkv). A pass with few query blocks over a long cache (a prefix-cache block pass)
 splits its keys into ranges so the GPU has enough programs, and the ranges' partial outputs merge
-by their running maxima (`key_splits`). Decode and verify (T < BLOCK_Q) stay on XLA, whose masked
-einsum serves a handful of query rows well, except in batch-invariant mode.
+by their running maxima (`key_splits`). The blocks are picked per pass (`blocks_for`): the largest
+whose query block divides the pass and whose tiles fit in shared memory. Decode and verify
+(T < BLOCK_Q) stay on XLA, whose masked einsum serves a handful of query rows well, except in
+batch-invariant mode.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +29,26 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.batch_invariant import invariant_rows
 from pallas_kernels.tensor_parallel import on_axis, per_device
 
-BLOCK_Q = 64  # query rows a program holds: the output tile [64, d] in float32 registers
-BLOCK_K = 32  # cache slots a loop iteration scores: [64, 32] scores next to the output tile
-# Programs enough to fill the H200's 132 SMs about twice: a short block of queries over a long
-# cache (256 after 16k: 96 programs of (head, query block)) splits its key range to get there.
-TARGET_PROGRAMS = 264
+
+
+class Blocks(NamedTuple):
+    q: int  # query rows a program holds: the output tile [q, d] in float32 registers
+    k: int  # cache slots a loop iteration scores: [q, k] scores next to the output tile
+    warps: int
+    stages: int  # key / value tiles in flight
+
+
+# Largest first. At the 27B shapes (d 256, bf16) 128 query rows over 8 warps with 64-slot key steps
+# ran 1.7x as fast as 64 rows over 4 warps with 32-slot steps on a 256-query block pass over 16k
+# slots (BENCHMARKS.md, "Flash attention (prefill)").
+BLOCKS = (Blocks(128, 64, 8, 2), Blocks(64, 64, 4, 3), Blocks(64, 32, 4, 2))
+FIXED_ORDER = BLOCKS[-1]  # batch-invariant mode: one configuration for every pass
+BLOCK_Q = min(b.q for b in BLOCKS)  # a pass's queries come in whole blocks of this many
+BLOCK_K = min(b.k for b in BLOCKS)  # and its cache in whole blocks of this many slots
+SHARED_BYTES = 200 * 1024  # of an H100/H200 SM's 227 KB, with room for the compiler's own
+# Programs enough to give each of the H200's 132 SMs four: a short block of queries over a long
+# cache (256 after 16k: 48 programs of (head, query block)) splits its key range to get there.
+TARGET_PROGRAMS = 528
 
 
 def _flash_kernel(q_ref, k_ref, v_ref, pos_ref, acc_ref, max_ref, sum_ref, *, block_k: int, per_split: int):
@@ -66,37 +84,47 @@ def _flash_kernel(q_ref, k_ref, v_ref, pos_ref, acc_ref, max_ref, sum_ref, *, bl
     sum_ref[...] = total
 
 
-def key_splits(B: int, T: int, nq: int, S: int) -> int:
+def blocks_for(T: int, S: int, d: int, itemsize: int) -> Blocks:
+    """The first of `BLOCKS` that tiles T queries and S slots whole and whose query tile and key /
+    value tiles in flight fit in shared memory (T a multiple of BLOCK_Q, S of BLOCK_K)."""
+    def fits(b: Blocks) -> bool:
+        return T % b.q == 0 and S % b.k == 0 and (b.q + 2 * b.stages * b.k) * d * itemsize <= SHARED_BYTES
+    return next((b for b in BLOCKS if fits(b)), FIXED_ORDER)
+
+
+def key_splits(B: int, T: int, nq: int, S: int, blocks: Blocks) -> int:
     """How many ranges a pass's keys split into: enough programs for `TARGET_PROGRAMS`, at least
     4 key blocks a range."""
-    programs = B * nq * (T // BLOCK_Q)
-    return max(1, min(-(-TARGET_PROGRAMS // programs), S // BLOCK_K // 4))
+    programs = B * nq * (T // blocks.q)
+    return max(1, min(-(-TARGET_PROGRAMS // programs), S // blocks.k // 4))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "splits"))
-def flash_attention_pallas(q, k, v, q_pos, *, splits: int | None = None, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("interpret", "splits", "blocks"))
+def flash_attention_pallas(q, k, v, q_pos, *, splits: int | None = None, blocks: Blocks | None = None,
+                           interpret: bool = False):
     """The Pallas kernel. q [B, T, nq, d]; k, v [B, S, nkv, d] (cache slots 0..S-1); q_pos [B, T]
     int32. Returns o [B, T, nq, d] in q's dtype. T a multiple of BLOCK_Q, S of BLOCK_K, d a power
     of two (`kernel_fits`). splits: key ranges scored by programs of their own and merged here
-    (None: `key_splits`)."""
+    (None: `key_splits`); blocks: the tiles (None: `blocks_for`)."""
     B, T, nq, d = q.shape
     S, nkv = k.shape[1], k.shape[2]
-    rep, n = nq // nkv, splits or key_splits(B, T, nq, S)
-    per_split = -(-(S // BLOCK_K) // n)
+    bq, bk, warps, stages = blocks or blocks_for(T, S, d, q.dtype.itemsize)
+    rep, n = nq // nkv, splits or key_splits(B, T, nq, S, Blocks(bq, bk, warps, stages))
+    per_split = -(-(S // bk) // n)
     q_pos = jnp.clip(q_pos.astype(jnp.int32), 0, S - 1)  # padding queries may point past the cache
-    queries = pl.BlockSpec((None, BLOCK_Q, None, d), lambda b, h, i, s: (b, i, h, 0))
+    queries = pl.BlockSpec((None, bq, None, d), lambda b, h, i, s: (b, i, h, 0))
     cache = pl.BlockSpec((None, S, None, d), lambda b, h, i, s: (b, 0, h // rep, 0))
-    positions = pl.BlockSpec((None, BLOCK_Q), lambda b, h, i, s: (b, i))
-    partial_out = pl.BlockSpec((None, None, BLOCK_Q, None, d), lambda b, h, i, s: (s, b, i, h, 0))
-    partial_row = pl.BlockSpec((None, None, BLOCK_Q, None), lambda b, h, i, s: (s, b, i, h))
+    positions = pl.BlockSpec((None, bq), lambda b, h, i, s: (b, i))
+    partial_out = pl.BlockSpec((None, None, bq, None, d), lambda b, h, i, s: (s, b, i, h, 0))
+    partial_row = pl.BlockSpec((None, None, bq, None), lambda b, h, i, s: (s, b, i, h))
     acc, m, total = pl.pallas_call(
-        functools.partial(_flash_kernel, block_k=BLOCK_K, per_split=per_split),
+        functools.partial(_flash_kernel, block_k=bk, per_split=per_split),
         out_shape=[jax.ShapeDtypeStruct((n, B, T, nq, d), jnp.float32),
                    jax.ShapeDtypeStruct((n, B, T, nq), jnp.float32), jax.ShapeDtypeStruct((n, B, T, nq), jnp.float32)],
-        grid=(B, nq, T // BLOCK_Q, n),
+        grid=(B, nq, T // bq, n),
         in_specs=[queries, cache, cache, positions],
         out_specs=[partial_out, partial_row, partial_row],
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="flash_attention",
     )(q, k.astype(q.dtype), v.astype(q.dtype), q_pos)
@@ -127,14 +155,14 @@ def use_flash_attention(q, k) -> bool:
 
 
 def flash_attention_fixed_order(q, k, v, q_pos, *, interpret: bool = False):
-    """The kernel with the queries padded to whole blocks and one key range (no split to merge):
-    a query's output then comes from the same key blocks added in the same order whatever else
-    shares its pass. Its block may walk further, to the last slot another query sees, but a block
+    """The kernel with the queries padded to whole blocks and one key range (no split to merge), in
+    one configuration (`FIXED_ORDER`) for every shape: a query's output then comes from the same
+    key blocks added in the same order whatever else shares its pass. Its block may walk further, to the last slot another query sees, but a block
     a query cannot see adds exactly nothing to it (weights exp(-inf) = 0, rescale exp(0) = 1).
     Same arguments and result as `flash_attention_pallas`."""
     T = q.shape[1]
     pad = lambda x: jnp.pad(x, [(0, 0), (0, whole_blocks(T) - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-    return flash_attention_pallas(pad(q), k, v, pad(q_pos), splits=1, interpret=interpret)[:, :T]
+    return flash_attention_pallas(pad(q), k, v, pad(q_pos), splits=1, blocks=FIXED_ORDER, interpret=interpret)[:, :T]
 
 
 def flash_attention(q, k, v, q_pos):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from models.layers import attend_masked
-from pallas_kernels.flash_attention import BLOCK_K, BLOCK_Q, flash_attention_pallas, kernel_fits, key_splits
+from pallas_kernels.flash_attention import (BLOCK_K, BLOCK_Q, BLOCKS, FIXED_ORDER, blocks_for, flash_attention_pallas,
+                                            kernel_fits, key_splits)
 
 
 def random_qkv(seed, B, T, S, nq, nkv, d):
@@ -21,17 +22,18 @@ def causal_reference(q, k, v, q_pos):
     return attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])
 
 
+@pytest.mark.parametrize("blocks", BLOCKS)
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("B,T,S,nq,nkv,start", [
-    (1, BLOCK_Q, BLOCK_Q, 2, 1, (0,)),                        # a prompt's prefill: T = S
-    (2, BLOCK_Q, 4 * BLOCK_Q, 4, 2, (2 * BLOCK_Q, BLOCK_Q + 7)),  # a block deep in the cache, per-row starts
-    (1, 2 * BLOCK_Q, 3 * BLOCK_Q, 4, 1, (BLOCK_Q - BLOCK_K,)),   # two query blocks seeing different key ranges
+    (1, 2 * BLOCK_Q, 2 * BLOCK_Q, 2, 1, (0,)),                    # a prompt's prefill: T = S
+    (2, 2 * BLOCK_Q, 4 * BLOCK_Q, 4, 2, (BLOCK_Q, BLOCK_Q + 7)),  # a block deep in the cache, per-row starts
+    (1, 4 * BLOCK_Q, 5 * BLOCK_Q, 4, 1, (BLOCK_Q - BLOCK_K,)),    # query blocks seeing different key ranges
 ])
-def test_kernel_matches_the_masked_softmax(B, T, S, nq, nkv, start, splits):
+def test_kernel_matches_the_masked_softmax(B, T, S, nq, nkv, start, splits, blocks):
     q, k, v = random_qkv(0, B, T, S, nq, nkv, 16)
     q_pos = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(T)[None]
     q_pos = jnp.minimum(q_pos, S - 1)
-    out = flash_attention_pallas(q, k, v, q_pos, splits=splits, interpret=True)
+    out = flash_attention_pallas(q, k, v, q_pos, splits=splits, blocks=blocks, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(causal_reference(q, k, v, q_pos)), rtol=2e-5, atol=2e-5)
 
 
@@ -62,9 +64,20 @@ def test_shapes_the_kernel_refuses_stay_on_the_reference():
 
 
 def test_short_passes_over_long_caches_split_their_keys():
-    assert key_splits(1, 256, 24, 16640) == 3      # a prefix-cache block pass at 27B dims: 96 -> 288 programs
-    assert key_splits(1, 16384, 24, 16384) == 1    # a long prompt has programs enough
-    assert key_splits(1, BLOCK_Q, 2, 4 * BLOCK_K) == 1  # never fewer than 4 key blocks a range
+    wide = BLOCKS[0]
+    assert key_splits(1, 256, 24, 16640, wide) == 11    # a prefix-cache block pass at 27B dims: 48 -> 528 programs
+    assert key_splits(1, 16384, 24, 16384, wide) == 1   # a long prompt has programs enough
+    assert key_splits(1, BLOCK_Q, 2, 4 * BLOCK_K, FIXED_ORDER) == 1  # never fewer than 4 key blocks a range
+
+
+def test_each_pass_takes_the_largest_blocks_that_tile_it_and_fit():
+    assert blocks_for(256, 16640, 256, 2) == BLOCKS[0]      # 27B bf16: 128 queries a program
+    assert blocks_for(192, 16640, 256, 2).q == 64           # 192 queries: not whole blocks of 128
+    assert blocks_for(256, 16640 + 32, 256, 2) == FIXED_ORDER  # a cache in 32-slot blocks only
+    assert blocks_for(256, 16640, 256, 4) == FIXED_ORDER    # float32 tiles of 128 rows overflow shared memory
+    for T, S, d, size in [(256, 16640, 256, 2), (64, 96, 512, 2), (128, 128, 16, 4)]:
+        b = blocks_for(T, S, d, size)
+        assert T % b.q == 0 and S % b.k == 0
 
 
 def test_the_gpu_runs_it_for_prefill_and_for_every_pass_in_batch_invariant_mode(monkeypatch):
