@@ -135,7 +135,7 @@ class Linear(nnx.Module):
         self.shards = 1  # static: the devices it is split over
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return row_tiled(self.apply, x)
+        return row_tiled(self.apply, x, fixed_rows=True)
 
     def apply(self, x: jax.Array) -> jax.Array:
         """x [..., in] -> [..., out], as XLA or the kernel best computes it for x's shape."""

@@ -553,7 +553,7 @@ class Qwen3_5Model(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Post-norm hidden [..., H] -> float32 logits [..., V]."""
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
-        return row_tiled(lambda h: dot_transposed(h, w, jnp.float32), hidden)
+        return row_tiled(lambda h: dot_transposed(h, w, jnp.float32), hidden, fixed_rows=True)
 
     def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int, rollback=None,
                  taps: tuple[int, ...] = ()):

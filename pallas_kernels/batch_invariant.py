@@ -4,9 +4,11 @@ XLA picks a matmul's algorithm (GEMV or tiled GEMM, the split of the reduction) 
 rows, so the same token's logits differ in the last bits between a one-token decode step, a
 (k+1)-token verify pass, a prefill and another batch size, and greedy speculation can leave plain
 decoding at a near-tie. In this mode every computation that mixes values within a token (the
-projections, norms, the lm_head, attention) runs on fixed-shape tiles of `rows` tokens, one tile
-at a time, behind an optimization barrier that keeps XLA from fusing a tile with the ops around
-it; a token's result then depends only on its own inputs. GDN runs its recurrent rule
+projections, norms, the lm_head, attention) runs on fixed-shape tiles of rows, one tile at a
+time, behind an optimization barrier that keeps XLA from fusing a tile with the ops around it; a
+token's result then depends only on its own inputs. A tile holds `rows` rows of a full-width op
+and more of a narrow one (`tile_rows`: a per-head norm's 256-wide rows, 16 times as many), so a
+verify pass of a batch loops over few tiles. GDN runs its recurrent rule
 token by token (the chunked rule is another order of the same sums), and attention always spans
 the whole cache.
 
@@ -41,6 +43,22 @@ def invariant_tile_rows() -> int:
     return 64 if jax.default_backend() == "gpu" else 8
 
 
+def tile_width() -> int:
+    """The row width a tile of `invariant_rows()` rows is sized for: on the GPU a 4096-wide tile of
+    64 rows is 1 MB of float32, a handful of microseconds of HBM traffic; on the CPU every padded
+    element is arithmetic, so 512."""
+    return 4096 if jax.default_backend() == "gpu" else 512
+
+
+def tile_rows(width: int) -> int:
+    """Rows a tile of `width`-wide rows holds: `invariant_rows()`, times the largest power of two
+    that keeps the tile within `invariant_rows() * tile_width()` elements. A function of the op's
+    width alone, so a row's tile has the same shape in every pass."""
+    rows = invariant_rows()
+    scale = max(1, tile_width() // width)
+    return rows * (1 << (scale.bit_length() - 1))
+
+
 @contextlib.contextmanager
 def batch_invariant(rows: int | None):
     """Trace in batch-invariant mode with tiles of `rows` tokens (None: the default fast path)."""
@@ -56,17 +74,18 @@ def invariant_rows() -> int | None:
     return _ROWS.get()
 
 
-def row_tiled(fn: Callable, *xs: jax.Array, lead: int | None = None):
+def row_tiled(fn: Callable, *xs: jax.Array, lead: int | None = None, fixed_rows: bool = False):
     """fn(*xs) with the first `lead` axes of every x (default: all but the last) flattened into
-    token rows and run `invariant_rows()` rows at a time: fn sees [R, ...] tiles only, so a row's
-    result does not depend on how many rows there are. fn returns one array [R, ...]. Outside the
-    mode, fn(*xs) itself."""
-    rows = invariant_rows()
-    if rows is None:
+    rows and run `tile_rows(width of xs[0]'s rows)` rows at a time: fn sees [R, ...] tiles only,
+    so a row's result does not depend on how many rows there are. fn returns one array [R, ...].
+    fixed_rows: `invariant_rows()` rows whatever the width (a projection: the fixed-order
+    kernel's tile holds its float32 outputs in registers). Outside the mode, fn(*xs) itself."""
+    if invariant_rows() is None:
         return fn(*xs)
     lead = xs[0].ndim - 1 if lead is None else lead
     shape = xs[0].shape[:lead]
     n = math.prod(shape)
+    rows = invariant_rows() if fixed_rows else tile_rows(math.prod(xs[0].shape[lead:]))
     tiles = -(-n // rows)
 
     def tiled(x):

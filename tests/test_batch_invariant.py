@@ -177,6 +177,22 @@ def test_the_modes_flash_attention_gives_a_query_the_same_output_in_any_pass():
     np.testing.assert_allclose(run(q, k, v, pos), want, rtol=2e-5, atol=2e-5)
 
 
+def test_narrow_rows_come_more_to_a_tile_by_their_width_alone():
+    """A tile holds `rows` rows of a full-width op and a power of two more of a narrow one (per-head
+    norms), so a verify pass loops over few tiles; the count depends on the width, never on the
+    pass. Projections keep `rows` (`fixed_rows`)."""
+    from pallas_kernels.batch_invariant import tile_rows, tile_width
+
+    with batch_invariant(8):
+        assert tile_width() == 512  # the CPU
+        assert [tile_rows(w) for w in (4096, 512, 384, 100, 64, 16)] == [8, 8, 8, 32, 64, 256]
+        seen = []
+        x = jnp.arange(3 * 5 * 16.0).reshape(3, 5, 16)
+        row_tiled(lambda t: seen.append(t.shape) or t, x)
+        row_tiled(lambda t: seen.append(t.shape) or t, x, fixed_rows=True)
+    assert seen == [(256, 16), (8, 16)]
+
+
 def test_row_tiled_is_the_plain_call_outside_the_mode():
     x = jnp.arange(12.0).reshape(3, 4)
     np.testing.assert_array_equal(row_tiled(lambda t: t * 2, x), x * 2)
