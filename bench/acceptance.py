@@ -1,6 +1,7 @@
 """Acceptance of every drafter of a trained model on held-out prose and code, and spec-on against
-spec-off decode speed (greedy, jitted, warm: each configuration runs once to compile, then is
-timed on a second run), against two bounds built from the method's measured acceptance (its
+spec-off decode speed (greedy, jitted, warm: each configuration runs once to compile; a row's
+configurations, plain decoding and the oracles it is held against included, are then timed in
+turn, `--repeats` rounds, each one's fastest kept), against two bounds built from the method's measured acceptance (its
 tokens over its steps, a step where it drafted nothing timed as a plain step):
 - "free drafting": each drafting step timed as the oracle's step at the same k (the oracle's
   drafts cost nothing, so its step is the verify pass and the bookkeeping alone);
@@ -61,21 +62,32 @@ def speculative_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
     return specs
 
 
-def timed_run(llm: LLM, prompts, params: SamplingParams, batch: int, repeats: int = 1) -> tuple[dict, list[list[int]]]:
-    """Compile, then time `repeats` runs and keep the fastest (greedy: every run emits the same
-    tokens): decode tokens/s over every batch, and the acceptance figures."""
-    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    runs = [llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False) for _ in range(repeats)]
-    decode_seconds = [sum(o.metrics["decode_s"] for o in outs[::batch]) for outs in runs]  # a batch shares its time
-    decode_s = min(decode_seconds)
-    outs = runs[decode_seconds.index(decode_s)]
+def timed_together(llms: dict[str, LLM], prompts, params: SamplingParams, batch: int,
+                   repeats: int) -> dict[str, tuple[dict, list[list[int]]]]:
+    """Compile every configuration, then time each once a round, in turn, for `repeats` rounds and
+    keep each one's fastest run (greedy: every run emits the same tokens). The figures a bound
+    holds against each other are so taken in the same minutes: a shared CPU's speed drifts by tens
+    of percent between configurations timed minutes apart. Returns, per name, the row (decode
+    tokens/s over every batch and the acceptance figures) and the tokens."""
+    for llm in llms.values():
+        llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    best = {}
+    for _ in range(repeats):
+        for name, llm in llms.items():
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+            decode_s = sum(o.metrics["decode_s"] for o in outs[::batch])  # a batch shares its time
+            if name not in best or decode_s < best[name][0]:
+                accepted = {key: llm.metrics[key] for key in ("acceptance_rate", "mean_acceptance_length",
+                                                              "acceptance_per_position") if key in llm.metrics}
+                best[name] = (decode_s, outs, accepted)
+    return {name: run_row(*best[name], batch) for name in llms}
+
+
+def run_row(decode_s: float, outs, accepted: dict, batch: int) -> tuple[dict, list[list[int]]]:
     steps = sum(o.metrics["batch_decode_steps"] for o in outs[::batch])
     generated = sum(o.metrics["num_generated_tokens"] - 1 for o in outs)  # the first token comes from prefill
     row = {"decode_tok_s": generated / decode_s, "step_ms": 1e3 * decode_s / steps, "steps": steps,
-           "generated": generated, "drafted_steps": sum(o.metrics.get("num_drafts", 0) for o in outs)}
-    for key in ("acceptance_rate", "mean_acceptance_length", "acceptance_per_position"):
-        if key in llm.metrics:
-            row[key] = llm.metrics[key]
+           "generated": generated, "drafted_steps": sum(o.metrics.get("num_drafts", 0) for o in outs), **accepted}
     return row, [o.outputs[0].token_ids for o in outs]
 
 
@@ -155,7 +167,8 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1, help="rows per decode batch")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per configuration; the fastest is kept")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of timed runs of a row's configurations; each one's fastest is kept")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="held-out text kinds")
     ap.add_argument("--methods", nargs="+", default=None, help="only methods whose row name starts so")
     ap.add_argument("--extra-spec", action="append", default=[], help="a further speculative config (JSON)")
@@ -170,39 +183,38 @@ def main(argv=None) -> None:
     for kind in args.kinds:
         prompts = prompts_for(kind, args, base)
 
-        def timed(llm: LLM, prompts=prompts):
-            return timed_run(llm, prompts, params, args.batch, args.repeats)
+        def timed(llms: dict[str, LLM], prompts=prompts):
+            return timed_together(llms, prompts, params, args.batch, args.repeats)
 
-        plain, reference = timed(base)
         specs = speculative_configs(model_dir, base.model.mtp is not None) + [json.loads(s) for s in args.extra_spec]
         if args.methods is not None:
             specs = [spec for spec in specs if label(spec).startswith(tuple(args.methods))]
-        oracle = {"method": "oracle"}
         ks = sorted({spec["num_speculative_tokens"] for spec in specs})
-        oracle_step_ms = {k: timed(base.with_speculation({**oracle, "num_speculative_tokens": k}))[0]["step_ms"]
-                          for k in ks}
-        wrong = {**oracle, "oracle_corruption_rate": 1.0}  # every draft a wrong token: acceptance 0
-        oracle_rejecting_ms = {k: timed(base.with_speculation({**wrong, "num_speculative_tokens": k}))[0]["step_ms"]
-                               for k in ks}
-        print(json.dumps({"kind": kind, "plain_step_ms": plain["step_ms"], "oracle_step_ms": oracle_step_ms,
-                          "oracle_rejecting_step_ms": oracle_rejecting_ms}), flush=True)
+        oracle = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k}) for k in ks}
+        # every draft a wrong token: acceptance 0
+        oracle_rejecting = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k,
+                                                      "oracle_corruption_rate": 1.0}) for k in ks}
+        plain, reference = timed({"off": base})["off"]
         for spec in [None, *specs]:
-            engine_spec = None if spec is None else {k: v for k, v in spec.items() if k != "label"}
-            r, tokens = (plain, reference) if spec is None else timed(base.with_speculation(engine_spec))
-            r = {**r, "kind": kind, "method": label(spec), "spec": spec, "prompts": len(prompts),
-                 "speedup": r["decode_tok_s"] / plain["decode_tok_s"],
+            r, tokens = plain, reference
+            if spec is not None:
+                engine_spec = {k: v for k, v in spec.items() if k != "label"}
+                k = spec["num_speculative_tokens"]
+                runs = timed({"plain": base, "oracle": oracle[k], "oracle rejecting": oracle_rejecting[k],
+                              "method": base.with_speculation(engine_spec),
+                              "rejecting": base.with_speculation(rejecting(engine_spec))})
+                (r, tokens), plain_ms = runs["method"], runs["plain"][0]["step_ms"]
+                r = {**r, "plain_step_ms": plain_ms, "speedup": r["decode_tok_s"] / runs["plain"][0]["decode_tok_s"],
+                     "oracle_step_ms": runs["oracle"][0]["step_ms"],
+                     "oracle_rejecting_step_ms": runs["oracle rejecting"][0]["step_ms"],
+                     "rejecting_step_ms": drafting_step_ms(runs["rejecting"][0], plain_ms, args.batch)}
+                r["bound"] = bound(r, r["oracle_step_ms"], plain_ms, args.batch)
+                drafter_ms = max(r["rejecting_step_ms"] - r["oracle_rejecting_step_ms"], 0.0)
+                r["cost_ratio"] = drafter_ms / (k * plain_ms)
+                r["bound_at_c"] = bound(r, r["oracle_step_ms"] + drafter_ms, plain_ms, args.batch)
+            r = {"speedup": 1.0, **r, "kind": kind, "method": label(spec), "spec": spec, "prompts": len(prompts),
                  "same_output": sum(a == b for a, b in zip(tokens, reference)),
                  "divergence_gaps": divergence_gaps(base, prompts, tokens, reference)}
-            if spec is not None:
-                k = spec["num_speculative_tokens"]
-                r["oracle_step_ms"] = oracle_step_ms[k]
-                r["bound"] = bound(r, r["oracle_step_ms"], plain["step_ms"], args.batch)
-                rejected = timed(base.with_speculation(rejecting(engine_spec)))[0]
-                r["rejecting_step_ms"] = drafting_step_ms(rejected, plain["step_ms"], args.batch)
-                r["oracle_rejecting_step_ms"] = oracle_rejecting_ms[k]
-                drafter_ms = max(r["rejecting_step_ms"] - oracle_rejecting_ms[k], 0.0)
-                r["cost_ratio"] = drafter_ms / (k * plain["step_ms"])
-                r["bound_at_c"] = bound(r, r["oracle_step_ms"] + drafter_ms, plain["step_ms"], args.batch)
             rows.append(r)
             print(json.dumps(r), flush=True)
     out = Path(args.out)

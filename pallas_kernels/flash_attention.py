@@ -30,7 +30,6 @@ from pallas_kernels.batch_invariant import invariant_rows
 from pallas_kernels.tensor_parallel import on_axis, per_device
 
 
-
 class Blocks(NamedTuple):
     q: int  # query rows a program holds: the output tile [q, d] in float32 registers
     k: int  # cache slots a loop iteration scores: [q, k] scores next to the output tile
@@ -157,12 +156,14 @@ def use_flash_attention(q, k) -> bool:
 def flash_attention_fixed_order(q, k, v, q_pos, *, interpret: bool = False):
     """The kernel with the queries padded to whole blocks and one key range (no split to merge), in
     one configuration (`FIXED_ORDER`) for every shape: a query's output then comes from the same
-    key blocks added in the same order whatever else shares its pass. Its block may walk further, to the last slot another query sees, but a block
-    a query cannot see adds exactly nothing to it (weights exp(-inf) = 0, rescale exp(0) = 1).
+    key blocks added in the same order whatever else shares its pass. Its block may walk further,
+    to the last slot another query sees, but a block a query cannot see adds exactly nothing to it
+    (weights exp(-inf) = 0, rescale exp(0) = 1).
     Same arguments and result as `flash_attention_pallas`."""
     T = q.shape[1]
     pad = lambda x: jnp.pad(x, [(0, 0), (0, whole_blocks(T) - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-    return flash_attention_pallas(pad(q), k, v, pad(q_pos), splits=1, blocks=FIXED_ORDER, interpret=interpret)[:, :T]
+    out = flash_attention_pallas(pad(q), k, v, pad(q_pos), splits=1, blocks=FIXED_ORDER, interpret=interpret)
+    return out[:, :T]
 
 
 def flash_attention(q, k, v, q_pos):

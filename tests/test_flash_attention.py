@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 
 from models.layers import attend_masked
-from pallas_kernels.flash_attention import (BLOCK_K, BLOCK_Q, BLOCKS, FIXED_ORDER, blocks_for, flash_attention_pallas,
-                                            kernel_fits, key_splits)
+from pallas_kernels.flash_attention import (
+    BLOCK_K,
+    BLOCK_Q,
+    BLOCKS,
+    FIXED_ORDER,
+    blocks_for,
+    flash_attention_pallas,
+    kernel_fits,
+    key_splits,
+)
 
 
 def random_qkv(seed, B, T, S, nq, nkv, d):
