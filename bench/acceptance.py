@@ -1,8 +1,9 @@
 """Acceptance of every drafter of a trained model on held-out prose and code, and spec-on against
 spec-off decode speed (greedy, jitted, warm: each configuration runs once to compile; a row's
 configurations, plain decoding and the oracles it is held against included, are then timed in
-turn, `--repeats` rounds, each one's fastest kept), against two bounds built from the method's measured acceptance (its
-tokens over its steps, a step where it drafted nothing timed as a plain step):
+turn, `--repeats` rounds, each one's fastest kept), against two bounds built from the method's
+measured acceptance (its tokens over its steps, a step where it drafted nothing timed as a plain
+step):
 - "free drafting": each drafting step timed as the oracle's step at the same k (the oracle's
   drafts cost nothing, so its step is the verify pass and the bookkeeping alone);
 - "at c": each drafting step timed as the oracle's step plus the drafter's own cost k c (in
