@@ -197,7 +197,7 @@ def main(argv=None) -> None:
                                                       "oracle_corruption_rate": 1.0}) for k in ks}
         plain, reference = timed({"off": base})["off"]
         for spec in [None, *specs]:
-            r, tokens = plain, reference
+            r, tokens = {**plain, "speedup": 1.0}, reference
             if spec is not None:
                 engine_spec = {k: v for k, v in spec.items() if k != "label"}
                 k = spec["num_speculative_tokens"]
@@ -213,7 +213,7 @@ def main(argv=None) -> None:
                 drafter_ms = max(r["rejecting_step_ms"] - r["oracle_rejecting_step_ms"], 0.0)
                 r["cost_ratio"] = drafter_ms / (k * plain_ms)
                 r["bound_at_c"] = bound(r, r["oracle_step_ms"] + drafter_ms, plain_ms, args.batch)
-            r = {"speedup": 1.0, **r, "kind": kind, "method": label(spec), "spec": spec, "prompts": len(prompts),
+            r = {**r, "kind": kind, "method": label(spec), "spec": spec, "prompts": len(prompts),
                  "same_output": sum(a == b for a, b in zip(tokens, reference)),
                  "divergence_gaps": divergence_gaps(base, prompts, tokens, reference)}
             rows.append(r)

@@ -107,8 +107,9 @@ def flash_attention_pallas(q, k, v, q_pos, *, splits: int | None = None, blocks:
     (None: `key_splits`); blocks: the tiles (None: `blocks_for`)."""
     B, T, nq, d = q.shape
     S, nkv = k.shape[1], k.shape[2]
-    bq, bk, warps, stages = blocks or blocks_for(T, S, d, q.dtype.itemsize)
-    rep, n = nq // nkv, splits or key_splits(B, T, nq, S, Blocks(bq, bk, warps, stages))
+    blocks = blocks or blocks_for(T, S, d, q.dtype.itemsize)
+    bq, bk = blocks.q, blocks.k
+    rep, n = nq // nkv, splits or key_splits(B, T, nq, S, blocks)
     per_split = -(-(S // bk) // n)
     q_pos = jnp.clip(q_pos.astype(jnp.int32), 0, S - 1)  # padding queries may point past the cache
     queries = pl.BlockSpec((None, bq, None, d), lambda b, h, i, s: (b, i, h, 0))
@@ -123,7 +124,7 @@ def flash_attention_pallas(q, k, v, q_pos, *, splits: int | None = None, blocks:
         grid=(B, nq, T // bq, n),
         in_specs=[queries, cache, cache, positions],
         out_specs=[partial_out, partial_row, partial_row],
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        compiler_params=plt.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
         interpret=interpret,
         name="flash_attention",
     )(q, k.astype(q.dtype), v.astype(q.dtype), q_pos)
