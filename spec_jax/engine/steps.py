@@ -540,25 +540,28 @@ class Engine:
         key = (name, structure, tuple((a.shape, a.dtype) for a in leaves), static)
         if key not in self.executables:
             t0 = time.perf_counter()
-            self.executables[key] = self._compile(fn, args, donate, options)
+            self.executables[key] = self._compile(name, fn, args, donate, options)
             log.info("compiled %s for %s in %.1f s", name, describe_shapes(args), time.perf_counter() - t0)
         program, params = self.executables[key]
         return program(params, *args)
 
-    def _compile(self, fn, args, donate, options=None) -> tuple[jax.stages.Compiled, list]:
+    def _compile(self, name, fn, args, donate, options=None) -> tuple[jax.stages.Compiled, list]:
         """`fn(model, draft, *args)` compiled as a function of the parameter leaves and `args`
-        (donate: the indices of args donated). Returns (program, the leaves it takes): each leaf
-        costs host time at every call, so a program that reads few of them (a restore reads none,
-        start_decode one or two) is traced again over those alone; a model pass, which reads most,
-        takes them all rather than pay a second trace at compile time."""
+        (donate: the indices of args donated), named `jit_<name>` in a profile. Returns (program,
+        the leaves it takes): each leaf costs host time at every call, so a program that reads few
+        of them (a restore reads none, start_decode one or two) is traced again over those alone;
+        a model pass, which reads most, takes them all rather than pay a second trace at compile
+        time."""
         donate_argnums = tuple(i + 1 for i in donate)
         with self.tracing():
-            traced = jax.jit(self._on_params(fn), donate_argnums=donate_argnums).trace(self.param_leaves, *args)
+            run = jax.jit(self._on_params(fn, name=name), donate_argnums=donate_argnums)
+            traced = run.trace(self.param_leaves, *args)
             used = read_inputs(traced.jaxpr, len(self.param_leaves))
             params = self.param_leaves
             if len(used) <= len(self.param_leaves) // 2:
                 params = [self.param_leaves[i] for i in used]
-                traced = jax.jit(self._on_params(fn, used), donate_argnums=donate_argnums).trace(params, *args)
+                run = jax.jit(self._on_params(fn, used, name=name), donate_argnums=donate_argnums)
+                traced = run.trace(params, *args)
             lowered = traced.lower()
         return lowered.compile(compiler_options={**(options or {}), **(self.compiler_options or {})} or None), params
 
@@ -570,10 +573,11 @@ class Engine:
             with batch_invariant(self.invariant_rows):
                 yield
 
-    def _on_params(self, fn, used: Sequence[int] | None = None):
+    def _on_params(self, fn, used: Sequence[int] | None = None, name: str = "run"):
         """fn(model, draft, *a) as a function of the flat parameters: run(param_leaves, *a); with
         `used`, of those leaves only: run([param_leaves[i] for i in used], *a), the others traced
-        as zeros (fn never reads them, so they compile away)."""
+        as zeros (fn never reads them, so they compile away). name: the function's name, which
+        jit gives the program."""
         graphdef, tree, everything = self.graphdef, self.param_tree, self.param_leaves
 
         def run(leaves, *a):
@@ -583,6 +587,7 @@ class Engine:
             model, draft = nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
             return fn(model, draft, *a)
 
+        run.__name__ = run.__qualname__ = name
         return run
 
     def row_bytes(self, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done, speculate,
