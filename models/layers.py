@@ -293,14 +293,17 @@ def attend_block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -
     return out.reshape(B, T, nq, d)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array) -> jax.Array:
-    """Causal GQA attention of new queries over a cache: q [B, T, nq, d]; k, v [B, S, nkv, d]
-    (cache slots 0..S-1); q_pos [B, T]. Slot j is visible to a query at position p iff j <= p.
-    Prefill-sized passes on a GPU (and every pass there in batch-invariant mode) run the flash
-    kernel, others this masked softmax."""
-    if use_flash_attention(q, k):
-        return flash_attention(q, k, v, q_pos)
-    return attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None])
+def attend(q: jax.Array, cache: KVCache, g, kv_len: int, q_pos: jax.Array) -> jax.Array:
+    """Causal GQA attention of new queries q [B, T, nq, d] at positions q_pos [B, T] over slots
+    [0, kv_len) of repeat g of the stacked cache [G, B, L, nkv, d]. Slot j is visible to a query
+    at position p iff j <= p. Prefill-sized passes on a GPU (and every pass there in
+    batch-invariant mode) run the flash kernel, which reads the repeat in place; others this
+    masked softmax over the repeat's slice."""
+    if use_flash_attention(q, kv_len):
+        return flash_attention(q, cache.k, cache.v, q_pos, g, kv_len)
+    keys = jax.lax.dynamic_index_in_dim(cache.k, g, keepdims=False)[:, :kv_len]
+    values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
+    return attend_masked(q, keys, values, jnp.arange(kv_len)[None, None, :] <= q_pos[:, :, None])
 
 
 def cached_attention(q, k, v, positions, cache: KVCache, g, kv_len: int):
@@ -314,9 +317,7 @@ def cached_attention(q, k, v, positions, cache: KVCache, g, kv_len: int):
         cache.k.at[g, rows, positions].set(k.astype(cache.k.dtype), mode="drop"),
         cache.v.at[g, rows, positions].set(v.astype(cache.v.dtype), mode="drop"),
     )
-    keys = jax.lax.dynamic_index_in_dim(cache.k, g, keepdims=False)[:, :kv_len]
-    values = jax.lax.dynamic_index_in_dim(cache.v, g, keepdims=False)[:, :kv_len]
-    return attend(q, keys, values, positions), cache
+    return attend(q, cache, g, kv_len, positions), cache
 
 
 class Attention(nnx.Module):

@@ -50,22 +50,25 @@ SHARED_BYTES = 200 * 1024  # of an H100/H200 SM's 227 KB, with room for the comp
 TARGET_PROGRAMS = 528
 
 
-def _flash_kernel(q_ref, k_ref, v_ref, pos_ref, acc_ref, max_ref, sum_ref, *, block_k: int, per_split: int):
-    """One (row, query head, query block, key split): q [BQ, d]; k, v [S, d] (the row's cache
-    for the query head's key head); pos [BQ] the queries' positions. Walks key blocks
-    [split * per_split, (split + 1) * per_split) up to the last one a query sees and writes the
-    unnormalised output acc [BQ, d], the running max [BQ] and the sum of exponentials [BQ]."""
+def _flash_kernel(q_ref, k_ref, v_ref, pos_ref, group_ref, acc_ref, max_ref, sum_ref, *, block_k: int,
+                  per_split: int):
+    """One (row, query head, query block, key split): q [BQ, d]; k, v [G, S, d] (the row's stacked
+    caches for the query head's key head, of which repeat group [1] is read); pos [BQ] the
+    queries' positions. Walks key blocks [split * per_split, (split + 1) * per_split) up to the
+    last one a query sees and writes the unnormalised output acc [BQ, d], the running max [BQ]
+    and the sum of exponentials [BQ]."""
     q = q_ref[...]
     pos = pos_ref[...]
-    S, d = k_ref.shape
+    g = group_ref[0]
+    _, S, d = k_ref.shape
     first = pl.program_id(3) * per_split
     last = jnp.minimum(jnp.minimum(jnp.max(pos) // block_k + 1, S // block_k), first + per_split)
 
     def step(j, carry):
         m, total, acc = carry
         at = pl.multiple_of(j * block_k, block_k)
-        k = k_ref[pl.ds(at, block_k), :]
-        v = v_ref[pl.ds(at, block_k), :]
+        k = k_ref[g, pl.ds(at, block_k), :]
+        v = v_ref[g, pl.ds(at, block_k), :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * d**-0.5
         s = jnp.where(at + jnp.arange(block_k)[None, :] <= pos[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -98,23 +101,28 @@ def key_splits(B: int, T: int, nq: int, S: int, blocks: Blocks) -> int:
     return max(1, min(-(-TARGET_PROGRAMS // programs), S // blocks.k // 4))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "splits", "blocks"))
-def flash_attention_pallas(q, k, v, q_pos, *, splits: int | None = None, blocks: Blocks | None = None,
-                           interpret: bool = False):
-    """The Pallas kernel. q [B, T, nq, d]; k, v [B, S, nkv, d] (cache slots 0..S-1); q_pos [B, T]
-    int32. Returns o [B, T, nq, d] in q's dtype. T a multiple of BLOCK_Q, S of BLOCK_K, d a power
-    of two (`kernel_fits`). splits: key ranges scored by programs of their own and merged here
-    (None: `key_splits`); blocks: the tiles (None: `blocks_for`)."""
+@functools.partial(jax.jit, static_argnames=("kv_len", "interpret", "splits", "blocks"))
+def flash_attention_pallas(q, k, v, q_pos, group=0, *, kv_len: int | None = None, splits: int | None = None,
+                           blocks: Blocks | None = None, interpret: bool = False):
+    """The Pallas kernel. q [B, T, nq, d]; k, v the stacked caches [G, B, L, nkv, d] (or one
+    repeat's [B, L, nkv, d]), of which repeat `group` (int32 []) and its slots 0..kv_len-1
+    (default L) are read in place: slicing a repeat out of a scanned stack first would copy it;
+    q_pos [B, T] int32. Returns o [B, T, nq, d] in q's dtype. T a multiple of BLOCK_Q, kv_len of
+    BLOCK_K, d a power of two (`kernel_fits`). splits: key ranges scored by programs of their own
+    and merged here (None: `key_splits`); blocks: the tiles (None: `blocks_for`)."""
+    if k.ndim == 4:
+        k, v = k[None], v[None]
     B, T, nq, d = q.shape
-    S, nkv = k.shape[1], k.shape[2]
+    G, nkv, S = k.shape[0], k.shape[3], kv_len or k.shape[2]
     blocks = blocks or blocks_for(T, S, d, q.dtype.itemsize)
     bq, bk = blocks.q, blocks.k
     rep, n = nq // nkv, splits or key_splits(B, T, nq, S, blocks)
     per_split = -(-(S // bk) // n)
     q_pos = jnp.clip(q_pos.astype(jnp.int32), 0, S - 1)  # padding queries may point past the cache
     queries = pl.BlockSpec((None, bq, None, d), lambda b, h, i, s: (b, i, h, 0))
-    cache = pl.BlockSpec((None, S, None, d), lambda b, h, i, s: (b, 0, h // rep, 0))
+    cache = pl.BlockSpec((G, None, S, None, d), lambda b, h, i, s: (0, b, 0, h // rep, 0))
     positions = pl.BlockSpec((None, bq), lambda b, h, i, s: (b, i))
+    repeat = pl.BlockSpec((1,), lambda b, h, i, s: (0,))
     partial_out = pl.BlockSpec((None, None, bq, None, d), lambda b, h, i, s: (s, b, i, h, 0))
     partial_row = pl.BlockSpec((None, None, bq, None), lambda b, h, i, s: (s, b, i, h))
     acc, m, total = pl.pallas_call(
@@ -122,12 +130,12 @@ def flash_attention_pallas(q, k, v, q_pos, *, splits: int | None = None, blocks:
         out_shape=[jax.ShapeDtypeStruct((n, B, T, nq, d), jnp.float32),
                    jax.ShapeDtypeStruct((n, B, T, nq), jnp.float32), jax.ShapeDtypeStruct((n, B, T, nq), jnp.float32)],
         grid=(B, nq, T // bq, n),
-        in_specs=[queries, cache, cache, positions],
+        in_specs=[queries, cache, cache, positions, repeat],
         out_specs=[partial_out, partial_row, partial_row],
         compiler_params=plt.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
         interpret=interpret,
         name="flash_attention",
-    )(q, k.astype(q.dtype), v.astype(q.dtype), q_pos)
+    )(q, k.astype(q.dtype), v.astype(q.dtype), q_pos, jnp.reshape(group, (1,)).astype(jnp.int32))
     weight = jnp.exp(m - jnp.max(m, axis=0))  # each split's share, against the largest max over splits
     out = jnp.sum(acc * weight[..., None], axis=0) / jnp.sum(total * weight, axis=0)[..., None]
     return out.astype(q.dtype)
@@ -138,23 +146,23 @@ def whole_blocks(T: int) -> int:
     return -(-T // BLOCK_Q) * BLOCK_Q
 
 
-def kernel_fits(q, k, *, padded: bool = False) -> bool:
-    """Shapes the kernel takes: whole query blocks (padded: once padded to them), whole key
-    blocks, a power-of-two head dim."""
-    T, d, S = q.shape[1], q.shape[-1], k.shape[1]
+def kernel_fits(q, slots: int, *, padded: bool = False) -> bool:
+    """Shapes the kernel takes, for queries q [B, T, nq, d] over `slots` cache slots: whole query
+    blocks (padded: once padded to them), whole key blocks, a power-of-two head dim."""
+    T, d = q.shape[1], q.shape[-1]
     T = whole_blocks(T) if padded else T
-    return T >= BLOCK_Q and T % BLOCK_Q == 0 and S % BLOCK_K == 0 and d & (d - 1) == 0 and d >= 16
+    return T >= BLOCK_Q and T % BLOCK_Q == 0 and slots % BLOCK_K == 0 and d & (d - 1) == 0 and d >= 16
 
 
-def use_flash_attention(q, k) -> bool:
-    """Whether `attend` runs this kernel: on a GPU, for shapes it takes. In batch-invariant mode
-    every pass does (decode and verify too, padded to whole query blocks): XLA may pick its masked
-    einsums' algorithms per program, the kernel sums each query the same way in all of them
-    (`flash_attention_fixed_order`)."""
-    return jax.default_backend() == "gpu" and kernel_fits(q, k, padded=invariant_rows() is not None)
+def use_flash_attention(q, slots: int) -> bool:
+    """Whether `attend` runs this kernel for queries q over `slots` slots: on a GPU, for shapes it
+    takes. In batch-invariant mode every pass does (decode and verify too, padded to whole query
+    blocks): XLA may pick its masked einsums' algorithms per program, the kernel sums each query
+    the same way in all of them (`flash_attention_fixed_order`)."""
+    return jax.default_backend() == "gpu" and kernel_fits(q, slots, padded=invariant_rows() is not None)
 
 
-def flash_attention_fixed_order(q, k, v, q_pos, *, interpret: bool = False):
+def flash_attention_fixed_order(q, k, v, q_pos, group=0, *, kv_len: int | None = None, interpret: bool = False):
     """The kernel with the queries padded to whole blocks and one key range (no split to merge), in
     one configuration (`FIXED_ORDER`) for every shape: a query's output then comes from the same
     key blocks added in the same order whatever else shares its pass. Its block may walk further,
@@ -163,13 +171,15 @@ def flash_attention_fixed_order(q, k, v, q_pos, *, interpret: bool = False):
     Same arguments and result as `flash_attention_pallas`."""
     T = q.shape[1]
     pad = lambda x: jnp.pad(x, [(0, 0), (0, whole_blocks(T) - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-    out = flash_attention_pallas(pad(q), k, v, pad(q_pos), splits=1, blocks=FIXED_ORDER, interpret=interpret)
+    out = flash_attention_pallas(pad(q), k, v, pad(q_pos), group, kv_len=kv_len, splits=1, blocks=FIXED_ORDER,
+                                 interpret=interpret)
     return out[:, :T]
 
 
-def flash_attention(q, k, v, q_pos):
-    """The kernel (`flash_attention_fixed_order` in batch-invariant mode), under a tensor-parallel
-    mesh per device on the heads it holds."""
-    heads = on_axis(4, 2)
+def flash_attention(q, k, v, q_pos, group, kv_len: int):
+    """The kernel (`flash_attention_fixed_order` in batch-invariant mode) on the stacked caches
+    k, v [G, B, L, nkv, d], under a tensor-parallel mesh per device on the heads it holds."""
     kernel = flash_attention_pallas if invariant_rows() is None else flash_attention_fixed_order
-    return per_device(kernel, (heads, heads, heads, jax.sharding.PartitionSpec()), heads)(q, k, v, q_pos)
+    run = lambda q, k, v, q_pos, group: kernel(q, k, v, q_pos, group, kv_len=kv_len)  # noqa: E731
+    heads, kv_heads, whole = on_axis(4, 2), on_axis(5, 3), jax.sharding.PartitionSpec()
+    return per_device(run, (heads, kv_heads, kv_heads, whole, whole), heads)(q, k, v, q_pos, group)

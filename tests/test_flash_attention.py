@@ -64,11 +64,27 @@ def test_bf16_inputs_give_bf16_outputs_close_to_the_reference():
 
 
 def test_shapes_the_kernel_refuses_stay_on_the_reference():
-    q, k, _ = random_qkv(3, 1, BLOCK_Q, BLOCK_Q, 2, 1, 16)
-    assert kernel_fits(q, k)
-    assert not kernel_fits(q[:, :8], k)                   # decode / verify: too few queries
-    assert not kernel_fits(q, k[:, :BLOCK_Q - 1])         # a cache not in whole key blocks
-    assert not kernel_fits(jnp.zeros((1, BLOCK_Q, 2, 24)), jnp.zeros((1, BLOCK_Q, 1, 24)))  # head dim 24
+    q, _, _ = random_qkv(3, 1, BLOCK_Q, BLOCK_Q, 2, 1, 16)
+    assert kernel_fits(q, BLOCK_Q)
+    assert not kernel_fits(q[:, :8], BLOCK_Q)                  # decode / verify: too few queries
+    assert not kernel_fits(q, BLOCK_Q - 1)                     # a cache not in whole key blocks
+    assert not kernel_fits(jnp.zeros((1, BLOCK_Q, 2, 24)), BLOCK_Q)  # head dim 24
+
+
+def test_a_repeat_of_a_stacked_cache_is_read_in_place():
+    """The model's caches stack every repeat of a layer [G, B, L, nkv, d]: the kernel reads repeat g's
+    first kv_len slots where they lie, giving what it gives on that repeat's slice."""
+    B, T, L, nq, nkv, d, G = 2, BLOCK_Q, 3 * BLOCK_Q, 4, 2, 16, 3
+    q, k, v = random_qkv(5, B, T, L, nq, nkv, d)
+    stack = [jax.random.normal(jax.random.key(i), (G, B, L, nkv, d)) for i in (6, 7)]
+    k_stack, v_stack = (s.at[1].set(x) for s, x in zip(stack, (k, v)))
+    q_pos = jnp.asarray([[5], [BLOCK_Q + 3]], jnp.int32) + jnp.arange(T)[None]
+    kv_len = 2 * BLOCK_Q
+    whole = flash_attention_pallas(q, k_stack, v_stack, q_pos, jnp.int32(1), kv_len=kv_len, interpret=True)
+    sliced = flash_attention_pallas(q, k[:, :kv_len], v[:, :kv_len], q_pos, interpret=True)
+    np.testing.assert_array_equal(np.asarray(whole), np.asarray(sliced))
+    want = causal_reference(q, k[:, :kv_len], v[:, :kv_len], jnp.minimum(q_pos, kv_len - 1))
+    np.testing.assert_allclose(np.asarray(whole), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
 def test_short_passes_over_long_caches_split_their_keys():
@@ -94,11 +110,11 @@ def test_the_gpu_runs_it_for_prefill_and_for_every_pass_in_batch_invariant_mode(
     from pallas_kernels import flash_attention as fa
     from pallas_kernels.batch_invariant import batch_invariant
 
-    q, k, _ = random_qkv(4, 1, BLOCK_Q, BLOCK_Q, 2, 1, 16)
-    assert not fa.use_flash_attention(q, k)  # the CPU: the reference
+    q, _, _ = random_qkv(4, 1, BLOCK_Q, BLOCK_Q, 2, 1, 16)
+    assert not fa.use_flash_attention(q, BLOCK_Q)  # the CPU: the reference
     monkeypatch.setattr(fa.jax, "default_backend", lambda: "gpu")
-    assert fa.use_flash_attention(q, k)
-    assert not fa.use_flash_attention(q[:, :1], k)  # decode
+    assert fa.use_flash_attention(q, BLOCK_Q)
+    assert not fa.use_flash_attention(q[:, :1], BLOCK_Q)  # decode
     with batch_invariant(8):
-        assert fa.use_flash_attention(q, k)
-        assert fa.use_flash_attention(q[:, :1], k)
+        assert fa.use_flash_attention(q, BLOCK_Q)
+        assert fa.use_flash_attention(q[:, :1], BLOCK_Q)
