@@ -73,6 +73,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-gb", type=float, default=24.0, help="prefix_cache_gb")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
     ap.add_argument("--decode-context", type=int, default=2048, help="prompt tokens before the timed decode")
+    ap.add_argument("--repeats", type=int, default=3, help="plain prefills and hits timed, the best of each kept")
     ap.add_argument("--skip-decode", action="store_true", help="time the prefills only")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -84,24 +85,26 @@ def main(argv=None) -> None:
     common = dict(model=model, max_model_len=room, max_num_seqs=1)
     plain = LLM(**common)
     cached = LLM(**common, enable_prefix_caching=True, prefix_block_size=args.block, prefix_cache_gb=args.budget_gb)
-    prefix, other, *news = random_prompts(cfg, 8, args.prefix, seed=1)
-    news = [n[:args.new] for n in news]
+    prefix, other, *news = random_prompts(cfg, 10 + 2 * args.repeats, args.prefix, seed=1)
+    news = iter(n[:args.new] for n in news)  # each hit needs a suffix the store has not seen
     out = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
            "prefix": args.prefix, "new": args.new, "block": args.block}
 
-    ttft_s(plain, news[0])  # compiles
-    out["plain_new_only_s"] = ttft_s(plain, news[1])
+    ttft_s(plain, next(news))  # compiles
+    # Best of a few runs in a row for both: the first run after another program's can pay for
+    # XLA re-recording its command buffers on moved buffers.
+    out["plain_new_only_s"] = min(ttft_s(plain, next(news)) for _ in range(args.repeats))
     try:  # the whole prompt in one pass: attention over it at once may not fit
-        ttft_s(plain, other + news[0])
-        out["plain_full_s"] = ttft_s(plain, prefix + news[0])
+        ttft_s(plain, other + next(news))
+        out["plain_full_s"] = ttft_s(plain, prefix + next(news))
     except jax.errors.JaxRuntimeError as e:
         out["plain_full_s"] = f"failed: {str(e).splitlines()[0][:200]}"
-    ttft_s(cached, other + news[0])  # compiles every block program on another prefix: a miss,
-    ttft_s(cached, other + news[5])  # then a hit
-    out["miss_s"] = ttft_s(cached, prefix + news[1])
-    out["hit_s"] = min(ttft_s(cached, prefix + news[2]), ttft_s(cached, prefix + news[4]))  # the better of two
+    ttft_s(cached, other + next(news))  # compiles every block program on another prefix: a miss,
+    ttft_s(cached, other + next(news))  # then a hit
+    out["miss_s"] = ttft_s(cached, prefix + next(news))
+    out["hit_s"] = min(ttft_s(cached, prefix + next(news)) for _ in range(args.repeats))
     out["hit_over_plain_new_only"] = out["hit_s"] / out["plain_new_only_s"]
-    out["hit_parts_s"] = hit_parts(cached, prefix + news[5])
+    out["hit_parts_s"] = hit_parts(cached, prefix + next(news))
     store = cached.engine.prefix_cache
     out["store"] = store.stats()
     out["store_bytes_per_token"] = store.bytes / (len(store.blocks) * args.block)
