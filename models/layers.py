@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,15 @@ def dot_transposed(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=out_dtype)
 
 
+def tiled_projection(fn: Callable, x: jax.Array, w: jax.Array):
+    """fn(x) for a projection of x [..., K] by w [N, K] (`dot_transposed` inside): in
+    batch-invariant mode on tiles of rows (`row_tiled`), except where the fixed-order kernel runs
+    it, which tiles the rows itself and needs no padded copy of them."""
+    if use_fixed_order_matmul(x, w):
+        return fn(x)
+    return row_tiled(fn, x, fixed_rows=True)
+
+
 class Linear(nnx.Module):
     """y = x W^T (+ b) with W stored [out, in] as in the checkpoint; a bias only where the
     architecture has one (Qwen3's `attention_bias`).
@@ -135,6 +145,8 @@ class Linear(nnx.Module):
         self.shards = 1  # static: the devices it is split over
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.format is None:
+            return tiled_projection(self.apply, x, self.weight[...])
         return row_tiled(self.apply, x, fixed_rows=True)
 
     def apply(self, x: jax.Array) -> jax.Array:

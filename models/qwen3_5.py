@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, dot_transposed, expect_json,
-                           fuse_linears, project, scan_layers, split_channels, unstack_layers, zeros_param)
+                           fuse_linears, project, scan_layers, split_channels, tiled_projection, unstack_layers,
+                           zeros_param)
 from pallas_kernels.batch_invariant import invariant_rows, row_tiled
 from pallas_kernels.expert_matmul import expert_swiglu
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
@@ -553,7 +554,7 @@ class Qwen3_5Model(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Post-norm hidden [..., H] -> float32 logits [..., V]."""
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
-        return row_tiled(lambda h: dot_transposed(h, w, jnp.float32), hidden, fixed_rows=True)
+        return tiled_projection(lambda h: dot_transposed(h, w, jnp.float32), hidden, w)
 
     def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int, rollback=None,
                  taps: tuple[int, ...] = ()):

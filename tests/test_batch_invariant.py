@@ -134,6 +134,34 @@ def test_on_a_gpu_the_mode_runs_every_gdn_token_through_one_kernel_program(monke
     assert calls == [1, 4, 40]
 
 
+def test_on_a_gpu_a_projection_hands_all_its_rows_to_the_fixed_order_kernel(monkeypatch):
+    """The kernel tiles the rows itself, so the mode passes a projection's rows as they are (no
+    padded tiles, no loop over them), and a token's output is the same bit for bit alone, in a
+    verify-sized pass and in a pass of more rows than a tile (kernel in interpret mode)."""
+    from models import layers
+
+    shapes, kernel = [], layers.fixed_order_matmul_pallas
+
+    def fixed_order(x, w, **kwargs):
+        shapes.append(x.shape)
+        return kernel(x, w, **kwargs, interpret=True)
+
+    monkeypatch.setattr(layers, "fixed_order_matmul_pallas", fixed_order)
+    monkeypatch.setattr(layers, "use_fixed_order_matmul", lambda x, w: True)
+    rng = np.random.default_rng(9)
+    linear = layers.Linear(128, 64, bias=True)
+    linear.weight[...] = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)
+    linear.bias[...] = jnp.asarray(rng.standard_normal(64), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 70, 128)), jnp.float32)
+    with batch_invariant(8):
+        alone, verify, long = linear(x[:1, :1]), linear(x[:1, :4]), linear(x)
+    assert shapes == [(1, 1, 128), (1, 4, 128), (2, 70, 128)]
+    np.testing.assert_array_equal(np.asarray(verify[0, 0]), np.asarray(alone[0, 0]))
+    np.testing.assert_array_equal(np.asarray(long[0, :4]), np.asarray(verify[0]))
+    np.testing.assert_allclose(np.asarray(long), np.asarray(x @ linear.weight[...].T + linear.bias[...]),
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_the_modes_gdn_kernel_gives_a_token_the_same_output_in_any_pass():
     """Token 0 of row 0: alone, first of a 4-token pass, beside two other rows and first of a
     40-token pass (two chunks): bit for bit; keep_states returns the state after each token,

@@ -10,7 +10,7 @@ from pallas_kernels import fixed_order_matmul as fom
 from pallas_kernels.batch_invariant import batch_invariant
 
 
-@pytest.mark.parametrize("R,K,N", [(16, 96, 80), (64, 128, 256), (32, 48, 48)])
+@pytest.mark.parametrize("R,K,N", [(16, 96, 80), (64, 128, 256), (32, 48, 48), (1, 64, 32), (100, 48, 48)])
 def test_the_kernel_computes_x_times_w_transposed(R, K, N):
     rng = np.random.default_rng(R + K + N)
     x = jnp.asarray(rng.standard_normal((R, K)), jnp.float32)
@@ -34,16 +34,31 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     assert not np.array_equal(np.asarray(a[1], np.float32), np.asarray(b[1], np.float32))
 
 
-def test_only_the_modes_gpu_tiles_of_shapes_it_takes_run_the_kernel(monkeypatch):
-    x, w = jnp.zeros((64, 128)), jnp.zeros((256, 128))
+def test_a_row_comes_out_the_same_in_a_partial_tile_as_in_a_whole_one():
+    """The kernel tiles the rows itself, `ROWS` a program: a token alone, one of a few, or in a
+    second tile of a long pass is summed by the same products, bit for bit; leading axes are
+    kept."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((fom.ROWS + 9, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
+    run = lambda x: np.asarray(fom.fixed_order_matmul_pallas(x, w, interpret=True), np.float32)  # noqa: E731
+    whole = run(x)
+    np.testing.assert_array_equal(run(x[:1])[0], whole[0])
+    np.testing.assert_array_equal(run(x[:7])[6], whole[6])
+    np.testing.assert_array_equal(run(x[fom.ROWS:])[3], whole[fom.ROWS + 3])
+    assert run(x[:6].reshape(2, 3, 128)).shape == (2, 3, 64)
+    np.testing.assert_array_equal(run(x[:6].reshape(2, 3, 128))[1, 2], whole[5])
+
+
+def test_only_the_modes_gpu_passes_of_shapes_it_takes_run_the_kernel(monkeypatch):
+    x, w = jnp.zeros((3, 128)), jnp.zeros((256, 128))
     with batch_invariant(64):
         assert not fom.use_fixed_order_matmul(x, w)  # this CPU
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
         assert fom.use_fixed_order_matmul(x, w)
-        assert not fom.use_fixed_order_matmul(jnp.zeros((64, 100)), jnp.zeros((256, 100)))  # K of no block
-        assert not fom.use_fixed_order_matmul(jnp.zeros((8, 128)), w)  # fewer rows than a Triton dot
+        assert fom.use_fixed_order_matmul(x[None], w)  # any leading axes: rows
+        assert not fom.use_fixed_order_matmul(jnp.zeros((3, 100)), jnp.zeros((256, 100)))  # K of no block
         assert not fom.use_fixed_order_matmul(x, jnp.zeros((250, 128)))  # N of no block
-        assert not fom.use_fixed_order_matmul(x[None], w)  # not a tile of rows
     assert not fom.use_fixed_order_matmul(x, w)  # outside the mode: XLA's dot
 
 
