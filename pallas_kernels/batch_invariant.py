@@ -15,8 +15,8 @@ the whole cache.
 On the CPU XLA computes each tile: a fixed-shape tile compiles to one loop nest whatever program
 holds it. On a GPU XLA may choose a matmul's algorithm per program (cuBLAS or Triton, tiles, split
 of the reduction, by autotuning), so there the sums that mix a token's values run in Pallas kernels
-whose order XLA cannot change: the projections and the lm_head in `fixed_order_matmul` (one tile
-of rows at a time), attention in the flash kernel (whole query blocks, one key range) and the
+whose order XLA cannot change: the projections and the lm_head in `fixed_order_matmul` (which
+tiles their rows itself), attention in the flash kernel (whole query blocks, one key range) and the
 gated delta rule in its recurrent kernel, whose unrolled step is the same code for every token.
 The mode is entered with `batch_invariant(rows)` around tracing, as `spec_jax.engine.steps.Engine`
 does; the layers call `row_tiled`, which is the plain call outside it.
@@ -78,8 +78,8 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int | None = None, fixed_rows:
     """fn(*xs) with the first `lead` axes of every x (default: all but the last) flattened into
     rows and run `tile_rows(width of xs[0]'s rows)` rows at a time: fn sees [R, ...] tiles only,
     so a row's result does not depend on how many rows there are. fn returns one array [R, ...].
-    fixed_rows: `invariant_rows()` rows whatever the width (a projection: the fixed-order
-    kernel's tile holds its float32 outputs in registers). Outside the mode, fn(*xs) itself."""
+    fixed_rows: `invariant_rows()` rows whatever the width (a projection: its [R, N] output is
+    far wider than its input rows). Outside the mode, fn(*xs) itself."""
     if invariant_rows() is None:
         return fn(*xs)
     lead = xs[0].ndim - 1 if lead is None else lead
