@@ -2,6 +2,8 @@
 caching, on a miss and on a hit, against a plain prefill of the new tokens alone; the store's
 bytes per cached token; and decode speed with caching on and off (plain, and MTP k=1 at a
 synthetic acceptance of 0.85) after a shorter prompt. Random weights of a released geometry, made on the device.
+With --profile, also the device time of each engine program (restore, block pass, start_decode;
+the plain prefill) from a `jax.profiler` trace.
 
     python -m bench.prefix_cache --geometry 27b --prefix 16384 --new 256 --out results/prefix_cache.json
 """
@@ -18,6 +20,7 @@ import jax
 
 from bench.models import geometry_config, random_model, random_prompts
 from bench.scale import synthetic
+from bench.step_profile import busy_ns, summarize, trace_calls
 from spec_jax import LLM, SamplingParams
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
@@ -53,6 +56,24 @@ def hit_parts(llm: LLM, ids: list[int]) -> dict:
     return {"whole_s": whole, "programs": {name: {"calls": calls[name], "s": seconds[name]} for name in seconds}}
 
 
+def device_time(llm: LLM, prompts: list[list[int]]) -> dict:
+    """Device time of each engine program over prefills of `prompts` (one each, traced with
+    `jax.profiler`), per prefill: kernel sum, busy time, kernel count and the top kernels."""
+    remaining = iter(prompts)
+    events, _, _ = trace_calls(lambda: ttft_s(llm, next(remaining)), (), calls=len(prompts))
+    programs = collections.defaultdict(list)
+    for e in events:
+        programs[e.module].append(e)
+    out = {}
+    for module, evs in sorted(programs.items(), key=lambda kv: min(e.start_ns for e in kv[1])):
+        summary = summarize(evs, len(prompts))
+        out[module] = {"kernel_ms": summary["kernel_ms_per_call"], "busy_ms": busy_ns(evs) / len(prompts) / 1e6,
+                       "kernels": summary["kernels_per_call"],
+                       "top": [{k: kernel[k] for k in ("name", "us_per_call", "count_per_call")}
+                               for kernel in summary["kernels"][:8]]}
+    return out
+
+
 def decode_ms(llm: LLM, ids: list[int], steps: int) -> tuple[float, float]:
     """(ms a decode-loop step, tokens a step) over `steps` steps after a warm-up call."""
     state = llm.decode(llm.prefill([ids], [LONG]), 2)
@@ -75,6 +96,8 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-context", type=int, default=2048, help="prompt tokens before the timed decode")
     ap.add_argument("--repeats", type=int, default=3, help="plain prefills and hits timed, the best of each kept")
     ap.add_argument("--skip-decode", action="store_true", help="time the prefills only")
+    ap.add_argument("--profile", action="store_true",
+                    help="trace two plain prefills and two hits: device ms per program")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -85,7 +108,7 @@ def main(argv=None) -> None:
     common = dict(model=model, max_model_len=room, max_num_seqs=1)
     plain = LLM(**common)
     cached = LLM(**common, enable_prefix_caching=True, prefix_block_size=args.block, prefix_cache_gb=args.budget_gb)
-    prefix, other, *news = random_prompts(cfg, 10 + 2 * args.repeats, args.prefix, seed=1)
+    prefix, other, *news = random_prompts(cfg, 14 + 2 * args.repeats, args.prefix, seed=1)
     news = iter(n[:args.new] for n in news)  # each hit needs a suffix the store has not seen
     out = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
            "prefix": args.prefix, "new": args.new, "block": args.block}
@@ -105,6 +128,9 @@ def main(argv=None) -> None:
     out["hit_s"] = min(ttft_s(cached, prefix + next(news)) for _ in range(args.repeats))
     out["hit_over_plain_new_only"] = out["hit_s"] / out["plain_new_only_s"]
     out["hit_parts_s"] = hit_parts(cached, prefix + next(news))
+    if args.profile:  # where a plain prefill's and a hit's device time goes, program by program
+        out["device_ms"] = {"plain": device_time(plain, [next(news) for _ in range(2)]),
+                            "hit": device_time(cached, [prefix + next(news) for _ in range(2)])}
     store = cached.engine.prefix_cache
     out["store"] = store.stats()
     out["store_bytes_per_token"] = store.bytes / (len(store.blocks) * args.block)

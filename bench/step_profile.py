@@ -76,6 +76,7 @@ class Event:
     start_ns: float
     duration_ns: float
     self_ns: float
+    module: str = ""  # the XLA program it ran in (jit_<name>), where the trace says
 
 
 def parse_args() -> argparse.Namespace:
@@ -121,19 +122,19 @@ def nested(parent_end: float, start: float, dur: float) -> bool:
     return parent_end - start > STAMP_JITTER_NS and start + dur <= parent_end + STAMP_JITTER_NS
 
 
-def with_self_times(raw: list[tuple[str, str, float, float]]) -> list[Event]:
-    """Events of one timeline line, (name, hlo_op, start, duration) each, with each event's self
-    time: its duration less that of the events directly nested in it."""
+def with_self_times(raw: list[tuple]) -> list[Event]:
+    """Events of one timeline line, (name, hlo_op, start, duration[, module]) each, with each
+    event's self time: its duration less that of the events directly nested in it."""
     raw = sorted(raw, key=lambda e: (e[2], -e[3]))
-    self_ns = [d for *_, d in raw]
+    self_ns = [e[3] for e in raw]
     stack: list[int] = []
-    for i, (_, _, start, dur) in enumerate(raw):
+    for i, (_, _, start, dur, *_) in enumerate(raw):
         while stack and not nested(raw[stack[-1]][2] + raw[stack[-1]][3], start, dur):
             stack.pop()
         if stack:
             self_ns[stack[-1]] -= dur
         stack.append(i)
-    return [Event(n, op, s, d, max(0.0, t)) for (n, op, s, d), t in zip(raw, self_ns)]
+    return [Event(n, op, s, d, max(0.0, t), *module) for (n, op, s, d, *module), t in zip(raw, self_ns)]
 
 
 def gpu_lines(plane) -> list:
@@ -158,8 +159,9 @@ def read_events(profile: ProfileData) -> tuple[list[Event], dict]:
             stats = dict(e.stats)
             if need_hlo_op and "hlo_op" not in stats:
                 continue
-            raw.append((e.name, str(stats.get("hlo_op", "")), e.start_ns, e.duration_ns))
-            modules.add(str(stats.get("hlo_module", "?")))
+            module = str(stats.get("hlo_module", "?"))
+            raw.append((e.name, str(stats.get("hlo_op", "")), e.start_ns, e.duration_ns, module))
+            modules.add(module)
             run_ids.add(stats.get("run_id"))
         if raw:
             events += with_self_times(raw)
