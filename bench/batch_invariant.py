@@ -146,7 +146,9 @@ def main(argv=None) -> None:
     ap.add_argument("--geometry", default=None, help="or a released geometry with random weights (27b)")
     ap.add_argument("--layers", type=int, default=None, help="keep this many decoder layers of the geometry")
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-tokens", type=int, default=64, help="the shortest prompt (others up to 63 longer)")
+    ap.add_argument("--prompt-tokens", type=int, default=65,
+                    help="the shortest prompt (others up to 63 longer: from 65, all in the 128-token prefill bucket, "
+                         "so each batch size compiles one prefill)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="rows per batch")
     ap.add_argument("--methods", nargs="+", default=None, help="equality: only methods whose name starts so")
