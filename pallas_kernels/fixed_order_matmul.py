@@ -74,7 +74,7 @@ def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_rows: int):
 
     def step(i, acc):
         at = pl.multiple_of(i * block_k, block_k)
-        x = plt.load(x_ref.at[:, pl.ds(at, block_k)], mask=real, other=0)
+        x = plt.load(x_ref.at[:, pl.ds(at, block_k)], mask=real, other=0.0)
         w = w_ref[:, pl.ds(at, block_k)]
         return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 

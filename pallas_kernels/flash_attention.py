@@ -182,4 +182,5 @@ def flash_attention(q, k, v, q_pos, group, kv_len: int):
     kernel = flash_attention_pallas if invariant_rows() is None else flash_attention_fixed_order
     run = lambda q, k, v, q_pos, group: kernel(q, k, v, q_pos, group, kv_len=kv_len)  # noqa: E731
     heads, kv_heads, whole = on_axis(4, 2), on_axis(5, 3), jax.sharding.PartitionSpec()
-    return per_device(run, (heads, kv_heads, kv_heads, whole, whole), heads)(q, k, v, q_pos, group)
+    return per_device(run, (heads, kv_heads, kv_heads, whole, whole), heads)(q, k, v, q_pos,
+                                                                             jnp.asarray(group, jnp.int32))
