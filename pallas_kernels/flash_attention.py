@@ -10,9 +10,11 @@ output tile and its running max and sum in registers while it walks the key bloc
 softmax), and stops at the last key block its queries can see.
 
 One program per (row, query head, block of queries, range of keys); query head h reads key head
-h // (nq // nkv). A pass with few query blocks over a long cache (a prefix-cache block pass)
-splits its keys into ranges so the GPU has enough programs, and the ranges' partial outputs merge
-by their running maxima (`key_splits`). The blocks are picked per pass (`blocks_for`): the largest
+h // (nq // nkv), from repeat g of the model's stacked caches [G, B, L, nkv, d] where it lies (the
+layer scan's repeat is an index into the stack: a slice of it would be a copy XLA makes first).
+A pass with few query blocks over a long cache (a prefix-cache block pass) splits its keys into
+ranges so the GPU has enough programs, and the ranges' partial outputs merge by their running
+maxima (`key_splits`). The blocks are picked per pass (`blocks_for`): the largest
 whose query block divides the pass and whose tiles fit in shared memory. Decode and verify
 (T < BLOCK_Q) stay on XLA, whose masked einsum serves a handful of query rows well, except in
 batch-invariant mode.
