@@ -20,7 +20,7 @@ import jax
 
 from bench.models import geometry_config, random_model, random_prompts
 from bench.scale import synthetic
-from bench.step_profile import busy_ns, summarize, trace_calls
+from bench.step_profile import summarize, trace_calls
 from spec_jax import LLM, SamplingParams
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
@@ -67,7 +67,7 @@ def device_time(llm: LLM, prompts: list[list[int]]) -> dict:
     out = {}
     for module, evs in sorted(programs.items(), key=lambda kv: min(e.start_ns for e in kv[1])):
         summary = summarize(evs, len(prompts))
-        out[module] = {"kernel_ms": summary["kernel_ms_per_call"], "busy_ms": busy_ns(evs) / len(prompts) / 1e6,
+        out[module] = {"kernel_ms": summary["kernel_ms_per_call"], "busy_ms": summary["busy_ms_per_call"],
                        "kernels": summary["kernels_per_call"],
                        "top": [{k: kernel[k] for k in ("name", "us_per_call", "count_per_call")}
                                for kernel in summary["kernels"][:8]]}
