@@ -17,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.batch_invariant import invariant_rows, row_tiled
+from pallas_kernels.batch_invariant import elementwise, invariant_rows, row_tiled
 from pallas_kernels.fixed_order_matmul import fixed_order_matmul_pallas, use_fixed_order_matmul
 from pallas_kernels.flash_attention import flash_attention, use_flash_attention
 from pallas_kernels.quant_formats import QuantizedWeight, quantize
 from pallas_kernels.quant_matmul import quant_matmul
+from pallas_kernels.rms_norm import rms_norm_pallas, use_rms_norm_kernel
 
 
 def expect_json(key: str, value, kind: type):
@@ -361,7 +362,7 @@ class Attention(nnx.Module):
 
     def _rope(self, x: jax.Array, norm, positions: jax.Array) -> jax.Array:
         x = norm(x) if norm is not None else x
-        return row_tiled(lambda x, pos: apply_rope(x, pos, self.rotary_dim, self.rope_theta), x, positions, lead=2)
+        return elementwise(lambda x, pos: apply_rope(x, pos, self.rotary_dim, self.rope_theta), x, positions, lead=2)
 
     @staticmethod
     def _split(x: jax.Array, heads: int) -> jax.Array:
@@ -388,7 +389,7 @@ class Attention(nnx.Module):
         o = o.reshape(*o.shape[:-2], -1)
         if gate is not None:
             gated = lambda o, gate: o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)  # noqa: E731
-            o = row_tiled(gated, o, gate.reshape(o.shape))
+            o = elementwise(gated, o, gate.reshape(o.shape))
         return self.o_proj(o)
 
     def __call__(self, x: jax.Array, batch: Batch, cache: KVCache, g, kv_len: int) -> tuple[jax.Array, KVCache]:
@@ -412,7 +413,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         gate, up = project(self, self.PROJECTIONS, x)
-        return self.down_proj(row_tiled(lambda gate, up: jax.nn.silu(gate) * up, gate, up))
+        return self.down_proj(elementwise(lambda gate, up: jax.nn.silu(gate) * up, gate, up))
 
 
 class PlainRMSNorm(nnx.Module):
@@ -425,6 +426,8 @@ class PlainRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if use_rms_norm_kernel(x):
+            return rms_norm_pallas(x, self.weight[...], self.eps)
         return row_tiled(self.apply, x)
 
     def apply(self, x: jax.Array) -> jax.Array:

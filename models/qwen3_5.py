@@ -28,10 +28,11 @@ from flax import nnx
 from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, dot_transposed, expect_json,
                            fuse_linears, project, scan_layers, split_channels, tiled_projection, unstack_layers,
                            zeros_param)
-from pallas_kernels.batch_invariant import invariant_rows, row_tiled
+from pallas_kernels.batch_invariant import elementwise, invariant_rows, row_tiled
 from pallas_kernels.expert_matmul import expert_swiglu
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
+from pallas_kernels.rms_norm import rms_norm_pallas, use_rms_norm_kernel
 from pallas_kernels.tensor_parallel import constrain, on_axis
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -276,6 +277,8 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if use_rms_norm_kernel(x):
+            return rms_norm_pallas(x, 1.0 + self.weight[...].astype(jnp.float32), self.eps)
         return row_tiled(self.apply, x)
 
     def apply(self, x: jax.Array) -> jax.Array:
@@ -297,6 +300,8 @@ class GatedRMSNorm(nnx.Module):
             n = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.eps)
             return (n * self.weight[...] * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
 
+        if use_rms_norm_kernel(o):
+            return rms_norm_pallas(o, self.weight[...], self.eps, z, out_dtype=dtype)
         return row_tiled(apply, o, z)
 
 
@@ -340,13 +345,13 @@ class GatedDeltaNet(nnx.Module):
         w = self.conv1d[...][:, 0, :]  # [C, K]
         taps = [seq[:, s : s + T] for s in range(K)]
         convolve = lambda *taps: jax.nn.silu(sum(x * w[:, s] for s, x in enumerate(taps)))  # noqa: E731
-        u = row_tiled(convolve, *taps, lead=2)
+        u = elementwise(convolve, *taps, lead=2)
         q, k, v = split_channels(u, (key_dim, key_dim, nv * dv), self.shards)
         q, k, v = q.reshape(B, T, nk, dk), k.reshape(B, T, nk, dk), v.reshape(B, T, nv, dv)
         valid = batch.valid_for(T)[..., None]
-        beta = row_tiled(lambda b: jax.nn.sigmoid(b.astype(jnp.float32)), b, lead=2)  # write strength
-        decay = row_tiled(lambda a: -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) +
-                                                                               self.dt_bias[...]), a, lead=2)
+        beta = elementwise(lambda b: jax.nn.sigmoid(b.astype(jnp.float32)), b, lead=2)  # write strength
+        decay = elementwise(lambda a: -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) +
+                                                                                 self.dt_bias[...]), a, lead=2)
         beta, decay = jnp.where(valid, beta, 0.0), jnp.where(valid, decay, 0.0)
         state = jax.lax.dynamic_index_in_dim(cache.state, g, keepdims=False)
 

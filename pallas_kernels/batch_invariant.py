@@ -6,18 +6,20 @@ rows, so the same token's logits differ in the last bits between a one-token dec
 decoding at a near-tie. In this mode every computation that mixes values within a token (the
 projections, norms, the lm_head, attention) runs on fixed-shape tiles of rows, one tile at a
 time, behind an optimization barrier that keeps XLA from fusing a tile with the ops around it; a
-token's result then depends only on its own inputs. A tile holds `rows` rows of a full-width op
-and more of a narrow one (`tile_rows`: a per-head norm's 256-wide rows, 16 times as many), so a
-verify pass of a batch loops over few tiles. GDN runs its recurrent rule
-token by token (the chunked rule is another order of the same sums), and attention always spans
-the whole cache.
+token's result then depends only on its own inputs. Ops that compute each element on its own
+(activations, gates, rope) go through `elementwise`, tiled only where the backend needs it. A tile
+holds `rows` rows of a full-width op and more of a narrow one (`tile_rows`: a per-head norm's
+256-wide rows, 16 times as many), so a verify pass of a batch loops over few tiles. GDN runs its
+recurrent rule token by token (the chunked rule is another order of the same sums), and attention
+always spans the whole cache.
 
 On the CPU XLA computes each tile: a fixed-shape tile compiles to one loop nest whatever program
 holds it. On a GPU XLA may choose a matmul's algorithm per program (cuBLAS or Triton, tiles, split
 of the reduction, by autotuning), so there the sums that mix a token's values run in Pallas kernels
-whose order XLA cannot change: the projections and the lm_head in `fixed_order_matmul` (which
-tiles their rows itself), attention in the flash kernel (whole query blocks, one key range) and the
-gated delta rule in its recurrent kernel, whose unrolled step is the same code for every token.
+whose order XLA cannot change: the projections and the lm_head in `fixed_order_matmul` and the
+norms in `rms_norm` (each tiles the rows itself, so no padded copy of them is made), attention in
+the flash kernel (whole query blocks, one key range) and the gated delta rule in its recurrent
+kernel, whose unrolled step is the same code for every token.
 The mode is entered with `batch_invariant(rows)` around tracing, as `spec_jax.engine.steps.Engine`
 does; the layers call `row_tiled`, which is the plain call outside it.
 """
@@ -72,6 +74,18 @@ def batch_invariant(rows: int | None):
 def invariant_rows() -> int | None:
     """The tile size of the batch-invariant mode being traced in, or None outside it."""
     return _ROWS.get()
+
+
+def elementwise(fn: Callable, *xs: jax.Array, lead: int | None = None):
+    """fn(*xs) for an op that computes each output element from the same elements of its inputs
+    (an activation, a gate, rope): there is no sum across a row to pin. On the GPU it runs on the
+    rows as they are: a fusion computes every element by the same per-thread code in any program.
+    On the CPU it runs on `row_tiled` tiles (lead as there): XLA's CPU loops evaluate exp and log
+    by code that depends on the loop's shape (vector body or scalar remainder), which moved a
+    GDN decay's last bit between passes."""
+    if invariant_rows() is None or jax.default_backend() == "gpu":
+        return fn(*xs)
+    return row_tiled(fn, *xs, lead=lead)
 
 
 def row_tiled(fn: Callable, *xs: jax.Array, lead: int | None = None, fixed_rows: bool = False):

@@ -228,6 +228,20 @@ def test_row_tiled_is_the_plain_call_outside_the_mode():
         np.testing.assert_array_equal(jax.jit(lambda x: row_tiled(lambda t: t * 2, x))(x), x * 2)
 
 
+def test_elementwise_ops_are_tiled_on_the_cpu_only(monkeypatch):
+    """An op of each element alone runs on tiles in the mode on the CPU (whose exp and log code
+    depends on the loop's shape) and on the rows as they are on the GPU."""
+    from pallas_kernels.batch_invariant import elementwise
+
+    seen = []
+    x = jnp.arange(3 * 5 * 16.0).reshape(3, 5, 16)
+    with batch_invariant(8):
+        np.testing.assert_array_equal(elementwise(lambda t: seen.append(t.shape) or t * 2, x, lead=1), x * 2)
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        elementwise(lambda t: seen.append(t.shape) or t, x, lead=1)
+    assert seen == [(32, 5, 16), (3, 5, 16)]
+
+
 def test_routed_experts_and_bad_values_are_refused(tmp_path, tiny_dir):
     moe = write_checkpoint(tmp_path / "moe", dataclasses.replace(TINY, num_experts=4, num_experts_per_tok=2,
                                                                  moe_intermediate_size=16,
