@@ -22,7 +22,7 @@ from pallas_kernels.fixed_order_matmul import fixed_order_matmul_pallas, use_fix
 from pallas_kernels.flash_attention import flash_attention, use_flash_attention
 from pallas_kernels.quant_formats import QuantizedWeight, quantize
 from pallas_kernels.quant_matmul import quant_matmul
-from pallas_kernels.rms_norm import rms_norm_pallas, use_rms_norm_kernel
+from pallas_kernels.rms_norm import rms_norm
 
 
 def expect_json(key: str, value, kind: type):
@@ -426,9 +426,7 @@ class PlainRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if use_rms_norm_kernel(x):
-            return rms_norm_pallas(x, self.weight[...], self.eps)
-        return row_tiled(self.apply, x)
+        return rms_norm(self.apply, x, self.weight[...], self.eps)
 
     def apply(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)

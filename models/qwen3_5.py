@@ -28,11 +28,11 @@ from flax import nnx
 from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, dot_transposed, expect_json,
                            fuse_linears, project, scan_layers, split_channels, tiled_projection, unstack_layers,
                            zeros_param)
-from pallas_kernels.batch_invariant import elementwise, invariant_rows, row_tiled
+from pallas_kernels.batch_invariant import elementwise, invariant_rows
 from pallas_kernels.expert_matmul import expert_swiglu
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
-from pallas_kernels.rms_norm import rms_norm_pallas, use_rms_norm_kernel
+from pallas_kernels.rms_norm import rms_norm
 from pallas_kernels.tensor_parallel import constrain, on_axis
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -277,9 +277,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if use_rms_norm_kernel(x):
-            return rms_norm_pallas(x, 1.0 + self.weight[...].astype(jnp.float32), self.eps)
-        return row_tiled(self.apply, x)
+        return rms_norm(self.apply, x, 1.0 + self.weight[...].astype(jnp.float32), self.eps)
 
     def apply(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
@@ -300,9 +298,7 @@ class GatedRMSNorm(nnx.Module):
             n = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + self.eps)
             return (n * self.weight[...] * jax.nn.silu(z.astype(jnp.float32))).astype(dtype)
 
-        if use_rms_norm_kernel(o):
-            return rms_norm_pallas(o, self.weight[...], self.eps, z, out_dtype=dtype)
-        return row_tiled(apply, o, z)
+        return rms_norm(apply, o, self.weight[...], self.eps, z, out_dtype=dtype)
 
 
 class GatedDeltaNet(nnx.Module):

@@ -9,8 +9,8 @@ zeros in place of the missing ones and writes only its real rows, so a row is su
 whether it is alone in its pass or one of a thousand: the kernel tiles the rows itself, where
 XLA's norm needs them padded to a fixed tile (a copy in, a slice out, per norm) to be pinned.
 
-`use_rms_norm_kernel` says where the model's norms run it: on a GPU in the mode, on one device.
-Their reference is the norm's own `apply` on `row_tiled` tiles.
+The model's norms call `rms_norm`, which runs the kernel where `use_rms_norm_kernel` says (on a GPU
+in the mode, on one device) and the norm's own XLA formula, on `row_tiled` tiles, elsewhere.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.batch_invariant import invariant_rows
+from pallas_kernels.batch_invariant import invariant_rows, row_tiled
 from pallas_kernels.tensor_parallel import tp_size
 
 CHUNK = 1024  # widest piece of a row loaded at once (Triton tiles are powers of two)
@@ -92,3 +92,13 @@ def use_rms_norm_kernel(x: jax.Array) -> bool:
     """Whether a norm of x [..., W] runs this kernel: on a GPU, inside batch-invariant mode, on one
     device (a sharded norm's rows are split over devices), for widths it takes."""
     return jax.default_backend() == "gpu" and invariant_rows() is not None and tp_size() == 1 and kernel_fits(x)
+
+
+def rms_norm(reference, x: jax.Array, scale: jax.Array, eps: float, z: jax.Array | None = None, *, out_dtype=None):
+    """A model's norm of x [..., W] (times silu(z [..., W]) where given): the kernel where
+    `use_rms_norm_kernel` says, else reference(x[, z]), the same norm in XLA, on the mode's tiles
+    (`row_tiled`: the plain call outside the mode). scale [W] float32 multiplies the normalised
+    row; out_dtype as the kernel's."""
+    if use_rms_norm_kernel(x):
+        return rms_norm_pallas(x, scale, eps, z, out_dtype=out_dtype)
+    return row_tiled(reference, *((x,) if z is None else (x, z)))
