@@ -12,7 +12,10 @@ loads zeros in place of the missing ones, the values a padded tile would hold, s
 summed by the same [ROWS, block_k] products. `plan` picks the blocks and the split from K and N
 alone, so a row's result depends on that row's values, K and N only: never on the other rows, the
 program it runs in, or how many rows share it. The split is there for occupancy: a projection of
-few output columns would otherwise run on a handful of the GPU's SMs.
+few output columns would otherwise run on a handful of the GPU's SMs. A K or N that is no whole
+number of the smallest block (the default model's 4-head GDN beta and decay projections) is padded
+with zeros to one, so every projection runs here: XLA's dot on tiles of rows is not invariant on a
+GPU, where autotuning may sum the same tile in another order in another program.
 
 The projections and the lm_head call it on all their rows at once where `use_fixed_order_matmul`
 says so: on a GPU in the mode (the kernel tiles the rows itself, with no padded copy of them).
@@ -60,11 +63,6 @@ def plan(K: int, N: int) -> Plan:
     return Plan(bn, bk, splits, 4 if (N // bn) * splits < 2 * WAVE else 3)
 
 
-def kernel_fits(x: jax.Array, w: jax.Array) -> bool:
-    """Shapes the kernel takes: x [..., K] and w [N, K] with K and N whole numbers of some block."""
-    return _divisor(x.shape[-1], BLOCK_K) is not None and _divisor(w.shape[0], BLOCK_N) is not None
-
-
 def _kernel(x_ref, w_ref, o_ref, *, block_k: int, n_rows: int):
     """One tile of rows and block of output columns over one range of K: x [ROWS, Ks],
     w [bn, Ks] -> o [ROWS, bn]; rows of the tile at or past n_rows (the last tile's) read as zeros
@@ -87,11 +85,13 @@ def fixed_order_matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, int
                               blocks: Plan | None = None) -> jax.Array:
     """The Pallas kernel: x [..., K] @ w [N, K]^T -> [..., N] in out_dtype (default w's, as XLA's
     dot of x cast to w's dtype gives), products in w's dtype and sums in float32, x's rows
-    `ROWS` at a time. Shapes as `kernel_fits` says; `blocks` (default `plan(K, N)`) fixes the
-    order of the sums."""
+    `ROWS` at a time. Any K and N (zero-padded to whole blocks: a copy of w per call where they
+    are not); `blocks` (default `plan` of the padded K, N) fixes the order of the sums."""
     *lead, K = x.shape
-    rows = x.reshape(-1, K).astype(w.dtype)
-    n, N = rows.shape[0], w.shape[0]
+    N_out = w.shape[0]
+    w = _zero_padded(_zero_padded(w, 0, BLOCK_N[-1]), 1, BLOCK_K[-1])
+    rows = _zero_padded(x.reshape(-1, K).astype(w.dtype), 1, BLOCK_K[-1])
+    (n, K), N = rows.shape, w.shape[0]
     out_dtype = out_dtype or w.dtype
     bn, bk, splits, stages = blocks or plan(K, N)
     ks = K // splits
@@ -106,11 +106,18 @@ def fixed_order_matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, int
         name="fixed_order_matmul",
     )(rows, w)
     out = functools.reduce(jnp.add, list(partials)).astype(out_dtype)  # range 0 + range 1 + ...
-    return out.reshape(*lead, N)
+    return out[:, :N_out].reshape(*lead, N_out)
+
+
+def _zero_padded(a: jax.Array, axis: int, multiple: int) -> jax.Array:
+    """a with zeros appended along axis up to a multiple of `multiple` (a itself if it is one)."""
+    extra = -a.shape[axis] % multiple
+    if not extra:
+        return a
+    return jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
 
 
 def use_fixed_order_matmul(x: jax.Array, w: jax.Array) -> bool:
     """Whether a projection runs this kernel: on a GPU, inside batch-invariant mode, on one device
-    (a split weight's partial sums are XLA's), for shapes it takes."""
-    return (jax.default_backend() == "gpu" and invariant_rows() is not None and tp_size() == 1
-            and kernel_fits(x, w))
+    (a split weight's partial sums are XLA's)."""
+    return jax.default_backend() == "gpu" and invariant_rows() is not None and tp_size() == 1

@@ -10,7 +10,8 @@ from pallas_kernels import fixed_order_matmul as fom
 from pallas_kernels.batch_invariant import batch_invariant
 
 
-@pytest.mark.parametrize("R,K,N", [(16, 96, 80), (64, 128, 256), (32, 48, 48), (1, 64, 32), (100, 48, 48)])
+@pytest.mark.parametrize("R,K,N", [(16, 96, 80), (64, 128, 256), (32, 48, 48), (1, 64, 32), (100, 48, 48),
+                                   (5, 384, 4), (3, 100, 250)])
 def test_the_kernel_computes_x_times_w_transposed(R, K, N):
     rng = np.random.default_rng(R + K + N)
     x = jnp.asarray(rng.standard_normal((R, K)), jnp.float32)
@@ -50,15 +51,27 @@ def test_a_row_comes_out_the_same_in_a_partial_tile_as_in_a_whole_one():
     np.testing.assert_array_equal(run(x[:6].reshape(2, 3, 128))[1, 2], whole[5])
 
 
-def test_only_the_modes_gpu_passes_of_shapes_it_takes_run_the_kernel(monkeypatch):
+def test_a_projection_padded_to_whole_blocks_keeps_each_rows_result_its_own():
+    """N = 4 outputs and K = 100 (the default model's beta/decay projections are 4 wide): zero
+    padding to whole blocks, and a row alone equals the same row among others, bit for bit."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((fom.ROWS + 3, 100)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, 100)), jnp.bfloat16)
+    run = lambda x: np.asarray(fom.fixed_order_matmul_pallas(x, w, interpret=True), np.float32)  # noqa: E731
+    whole = run(x)
+    assert whole.shape == (fom.ROWS + 3, 4)
+    for alone, at in ((run(x[:1])[0], 0), (run(x[:4])[3], 3), (run(x[fom.ROWS:])[1], fom.ROWS + 1)):
+        np.testing.assert_array_equal(alone, whole[at])
+
+
+def test_only_the_modes_gpu_passes_run_the_kernel_whatever_their_shapes(monkeypatch):
     x, w = jnp.zeros((3, 128)), jnp.zeros((256, 128))
     with batch_invariant(64):
         assert not fom.use_fixed_order_matmul(x, w)  # this CPU
         monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
         assert fom.use_fixed_order_matmul(x, w)
         assert fom.use_fixed_order_matmul(x[None], w)  # any leading axes: rows
-        assert not fom.use_fixed_order_matmul(jnp.zeros((3, 100)), jnp.zeros((256, 100)))  # K of no block
-        assert not fom.use_fixed_order_matmul(x, jnp.zeros((250, 128)))  # N of no block
+        assert fom.use_fixed_order_matmul(jnp.zeros((3, 100)), jnp.zeros((4, 100)))  # padded to whole blocks
     assert not fom.use_fixed_order_matmul(x, w)  # outside the mode: XLA's dot
 
 
