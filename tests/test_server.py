@@ -2,6 +2,7 @@
 HTTP; the continuous-batching scheduler under it, with speculation."""
 
 import copy
+import dataclasses
 import json
 import re
 import threading
@@ -52,8 +53,12 @@ def served(tiny_llm, tmp_path_factory):
 
 def metrics(url) -> dict[str, float]:
     """/metrics parsed: every sample line is `name{labels} value`."""
+    return parse_metrics(httpx.get(f"{url}/metrics").text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
     out = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    for line in text.splitlines():
         if line.startswith("#"):
             assert re.fullmatch(r"# (HELP|TYPE) spec_jax_\w+ .+", line), line
             continue
@@ -262,6 +267,17 @@ BAD = [
     ({"prompt": "x", "top_k": 2**70}, 400, "top_k", None),
     ({"prompt": "x", "seed": 2**70}, 400, "seed", None),
     ({"prompt": "x", "stop_token_ids": [2**40]}, 400, "stop_token_ids", None),
+    ({"prompt": "x", "stop_token_ids": [TINY.vocab_size]}, 400, "stop_token_ids", None),
+    ({"prompt": "x", "n": 2.0}, 400, "n", None),  # no coercion: a count is an integer
+    ({"prompt": "x", "max_tokens": True}, 400, "max_tokens", None),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ({"prompt": [True]}, 400, "prompt", None),  # one of several forms: the field, not pydantic's branch
+    ({"prompt": 5}, 400, "prompt", None),
+    ({"prompt": "x", "stop": [1, 2]}, 400, "stop", None),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens", None),
+    ({"prompt": "x", "max_tokens": None, "min_tokens": 2**31 - 1}, 400, "min_tokens", None),
+    ({"prompt": ["x"] * 3, "n": 2000}, 400, "n", None),  # 6000 completions in one request
+    ({"prompt": ["x", ""]}, 400, "prompt[1]", None),
 ]
 
 
@@ -322,6 +338,67 @@ def test_malformed_bodies_and_unknown_routes(served):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=-1)
+
+
+def test_bodies_that_are_no_json_object_say_what_is_expected(served):
+    url = served[0]
+    r = httpx.post(f"{url}/v1/completions")
+    assert r.status_code == 400 and "body is empty" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", data={"prompt": "x"})  # form-encoded, as curl -d sends it
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    assert httpx.head(f"{url}/health").status_code == 200
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "a\\ud800b"}',  # JSON's escape of a lone surrogate
+                   headers={"Content-Type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "prompt" and "surrogate" in error["message"]
+
+
+def test_a_seed_at_the_top_of_its_range_fans_out(served):
+    r = httpx.post(f"{served[0]}/v1/completions", json={"prompt": "x", "max_tokens": 2, "seed": 2**63 - 1, "n": 3})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
+def test_a_stop_string_cuts_token_ids_logprobs_and_usage_and_counts_as_stop(served):
+    """The completion ends with the token that completes the stop string (as LLM.generate's), in
+    its token_ids, logprobs and usage, streamed or not, though the scheduler hands over 8 tokens a
+    chunk; /metrics counts it as "stop"."""
+    llm = served[1]
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    text = llm.generate(prompts=body["prompt"], sampling_params=greedy, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 3:len(text) // 3 + 2]
+    assert stop.strip(), text
+    want = llm.generate(prompts=body["prompt"], use_tqdm=False, sampling_params=dataclasses.replace(
+        greedy, stop=[stop], logprobs=1))[0].outputs[0]
+    assert len(want.token_ids) < 24 - 8
+    body |= {"stop": [stop], "logprobs": 1, "return_token_ids": True}
+    stopped = 'spec_jax_requests_total{finish_reason="stop"}'
+    with TestClient(build_app(Server(llm, steps_per_chunk=8))) as client:
+        before = parse_metrics(client.get("/metrics").text)
+        r = client.post("/v1/completions", json=body).json()
+        c = r["choices"][0]
+        assert c["text"] == want.text and c["finish_reason"] == "stop" and c["token_ids"] == want.token_ids
+        assert len(c["logprobs"]["tokens"]) == len(want.token_ids) == r["usage"]["completion_tokens"]
+        with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        streamed = [x for ch in chunks for x in ch["choices"]]
+        assert [t for x in streamed for t in x.get("token_ids", [])] == want.token_ids
+        assert "".join(x["text"] for x in streamed) == want.text
+        offsets = [o for x in streamed if x["logprobs"] for o in x["logprobs"]["text_offset"]]
+        assert offsets == c["logprobs"]["text_offset"]  # streamed offsets count the tokens' texts too
+        held_back = body | {"stop": ["Q" * 12]}  # never met, but 11 characters wait behind each chunk
+        whole = client.post("/v1/completions", json=held_back).json()["choices"][0]["logprobs"]["text_offset"]
+        with client.stream("POST", "/v1/completions", json=held_back | {"stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert [o for ch in chunks for x in ch["choices"] if x["logprobs"] for o in x["logprobs"]["text_offset"]
+                ] == whole and len(whole) == 24
+        deadline = time.time() + 30
+        while parse_metrics(client.get("/metrics").text)[stopped] < before[stopped] + 2 and time.time() < deadline:
+            time.sleep(0.1)
+        after = parse_metrics(client.get("/metrics").text)
+    assert after[stopped] == before[stopped] + 2
+    aborted = 'spec_jax_requests_total{finish_reason="abort"}'
+    assert after[aborted] == before[aborted]
 
 
 def test_models_health_metrics(served):

@@ -167,6 +167,7 @@ class TextDelta:
         self.sent = 0
         self.stopped = False
         self.reason: str | None = None  # the stop string found
+        self.kept: int | None = None  # once stopped: how many of ids the completion keeps
 
     def add(self, ids: list[int], final: bool) -> str:
         """Append ids; return the new text that is safe to send (all of it when final)."""
@@ -176,6 +177,7 @@ class TextDelta:
         text = self.tokenizer.decode(self.ids, self.skip)
         found = first_stop(text, self.stops, max(0, self.sent - max((len(s) for s in self.stops), default=0) + 1))
         if found is not None:
+            self.kept = ids_through(self.tokenizer, self.ids, found[0] + len(found[1]), self.skip)
             text, self.stopped, self.reason, final = text[:found[0]], True, found[1], True
         safe = len(text) if final else len(text) - max((len(s) - 1 for s in self.stops), default=0)
         if not final and text.endswith("\ufffd"):
@@ -202,11 +204,18 @@ def cut_at_stop_string(tokenizer, ids: list[int], stops: list[str], skip_special
     if found is None:
         return text, ids, None
     at, stop = found
-    lo, hi = 1, len(ids)  # the fewest tokens whose text holds the whole stop string at `at`
+    return (text[:at + len(stop) if include_stop_str else at], ids[:ids_through(tokenizer, ids, at + len(stop),
+                                                                                skip_special_tokens)], stop)
+
+
+def ids_through(tokenizer, ids: list[int], end: int, skip_special_tokens: bool) -> int:
+    """The fewest of ids whose text reaches `end` characters (those that complete a stop string
+    ending there): a binary search over decoded prefixes."""
+    lo, hi = 1, len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(tokenizer.decode(ids[:mid], skip_special_tokens)) >= at + len(stop):
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens)) >= end:
             hi = mid
         else:
             lo = mid + 1
-    return text[:at + len(stop) if include_stop_str else at], ids[:lo], stop
+    return lo

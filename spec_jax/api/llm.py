@@ -597,10 +597,13 @@ class LLM:
         """What SamplingParams cannot check alone, against this model: logit_bias keys and
         allowed_token_ids are ids of its vocabulary; stop strings and bad_words need its tokenizer.
         Raises ValueError naming the field; returns the request's `bad_word_forms`."""
+        if p.min_tokens > self.max_model_len:
+            raise ValueError(f"min_tokens={p.min_tokens} exceeds max_model_len={self.max_model_len}: no completion "
+                             f"can be that long")
         if p.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, and {self.model_path} has none; use stop_token_ids")
         for name, ids in (("logit_bias", [int(t) for t in p.logit_bias or {}]),
-                          ("allowed_token_ids", p.allowed_token_ids or [])):
+                          ("allowed_token_ids", p.allowed_token_ids or []), ("stop_token_ids", p.stop_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")

@@ -94,8 +94,6 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, f"must be 0 (each prompt token's "
                                                                                 f"only) to {MAX_LOGPROBS}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
@@ -117,6 +115,8 @@ class SamplingParams:
             check_int("seed", self.seed, -(2**63), 2**63 - 1, "must fit in 64 bits")
         if self.max_tokens is not None:
             check_int("max_tokens", self.max_tokens, 1, INT32_MAX, "must be a positive number of tokens (or None)")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
@@ -144,8 +144,14 @@ def fan_out(params: SamplingParams) -> list[SamplingParams]:
     seeded request's samples differ from each other and repeat run to run)."""
     if params.n == 1:
         return [params]
-    return [dataclasses.replace(params, n=1, best_of=None, seed=None if params.seed is None else params.seed + i)
+    return [dataclasses.replace(params, n=1, best_of=None,
+                                seed=None if params.seed is None else wrap_int64(params.seed + i))
             for i in range(params.n)]
+
+
+def wrap_int64(x: int) -> int:
+    """x wrapped into the signed 64-bit range a seed takes (a seed near its top still fans out)."""
+    return (x + 2**63) % 2**64 - 2**63
 
 
 # generation_config.json keys vLLM reads as a request's sampling defaults.

@@ -142,9 +142,10 @@ class Scheduler:
         self.inbox.put(("add", req))
         return req
 
-    def cancel(self, req: Request) -> None:
-        """Stop a request (a no-op once it finished); it hears a final "abort" update."""
-        self.inbox.put(("cancel", req))
+    def cancel(self, req: Request, reason: str = "abort") -> None:
+        """Stop a request (a no-op once it finished); it hears a final update with `reason`: "abort",
+        or "stop" when its listener found a stop string (counted as such in the metrics)."""
+        self.inbox.put(("cancel", (req, reason)))
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> Iterator[Update]:
         """Submit and yield the request's updates until it finishes; leaving early cancels it."""
@@ -214,21 +215,21 @@ class Scheduler:
                 messages.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        for kind, req in messages:
+        for kind, payload in messages:
             if kind == "stop":
                 return False
             if kind == "add":
-                self.waiting.append(req)
-            elif not req.finished:
-                self._cancel(req)
+                self.waiting.append(payload)
+            elif not payload[0].finished:  # ("cancel", (request, reason))
+                self._cancel(*payload)
         return True
 
-    def _cancel(self, req: Request) -> None:
+    def _cancel(self, req: Request, reason: str) -> None:
         if req.slot is None:
             self.waiting.remove(req)
         else:
             self.state = dataclasses.replace(self.state, done=self.state.done.at[req.slot].set(True))
-        self._finish(req, "abort")
+        self._finish(req, reason)
 
     def _admit(self) -> None:
         """Prefill waiting requests into free slots."""

@@ -56,7 +56,7 @@ class APIError(Exception):
 class SamplingFields(BaseModel):
     """The fields completions and chat share. Unknown fields are ignored, as OpenAI's API does."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # "5" or true for a count is an error, not 5 or 1
 
     model: str | None = None
     temperature: float = 1.0
@@ -100,6 +100,29 @@ class ChatBody(SamplingFields):
     tools: list | None = None
     response_format: dict | None = None
     chat_template_kwargs: dict | None = None
+
+
+def body_error(errors: list[dict]) -> APIError:
+    """A request body that failed validation as one 400 naming the field: for a field of several
+    forms (prompt, stop) the forms it accepts, not the first form's complaint."""
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error')}")
+    path = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if not path:
+        if first.get("type") == "missing":
+            return APIError(400, "the request body is empty: send a JSON object of the request's fields")
+        return APIError(400, f"the request body must be a JSON object (sent with Content-Type: application/json), "
+                             f"got {str(first.get('input'))[:80]!r}")
+    field = path[0]
+    forms = list(dict.fromkeys(str(err["loc"][2]) for err in errors if len(err["loc"]) > 2
+                               and err["loc"][:2] == ("body", field) and not isinstance(err["loc"][2], int)))
+    if len(forms) > 1:
+        return APIError(400, f"{field} must be one of: {', '.join(forms)}; got {str(first.get('input'))[:80]!r}",
+                        param=field)
+    return APIError(400, f"{'.'.join(path)}: {first.get('msg', 'invalid value')}", param=".".join(path))
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
@@ -216,10 +239,13 @@ class Server:
                 i, update = await updates.get()
                 if i not in running:
                     continue
+                seen = len(texts[i].ids)
                 delta = texts[i].add(update.token_ids, final=update.finish_reason is not None)
-                if texts[i].stopped:  # a stop string: the rest of this choice is not wanted
-                    self.scheduler.cancel(requests[i])
-                    update = dataclasses.replace(update, finish_reason="stop")
+                if texts[i].stopped:  # a stop string: the tokens after the one completing it are not wanted
+                    self.scheduler.cancel(requests[i], "stop")
+                    keep = texts[i].kept - seen
+                    update = dataclasses.replace(update, token_ids=update.token_ids[:keep], finish_reason="stop",
+                                                 logprobs=update.logprobs and update.logprobs[:keep])
                 if update.finish_reason is not None:
                     running.discard(i)
                 yield i, delta, update
@@ -228,13 +254,17 @@ class Server:
                 self.scheduler.cancel(req)
 
 
-def completion_prompts(server: Server, prompt) -> list[list[int]]:
-    """OpenAI's prompt forms: a string, token ids, or a list of either."""
+def completion_prompts(server: Server, prompt, n: int) -> list[list[int]]:
+    """OpenAI's prompt forms: a string, token ids, or a list of either; at most MAX_ROWS rows
+    with each prompt's n choices."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
-    return [server.encode(p, "prompt") for p in prompt]
+    if len(prompt) * n > MAX_ROWS:
+        raise APIError(400, f"{len(prompt)} prompts x n={n} choices = {len(prompt) * n} completions; at most "
+                            f"{MAX_ROWS} are accepted per request", param="n" if n > 1 else "prompt")
+    return [server.encode(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]") for i, p in enumerate(prompt)]
 
 
 def usage(prompts: list[list[int]], generated: list[list[int]]) -> dict:
@@ -245,6 +275,8 @@ def usage(prompts: list[list[int]], generated: list[list[int]]) -> dict:
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
+
+MAX_ROWS = 4096  # completions (prompts x n) one request may ask for: vLLM's cap on n
 
 # How often a non-streaming request looks whether its client is still connected.
 DISCONNECT_POLL_S = 0.2
@@ -276,6 +308,10 @@ class LogprobsFormat:
 
     def text(self, token: int) -> str:
         return self.tokenizer.decode([token], False) if self.tokenizer is not None else f"token_id:{token}"
+
+    def span(self, token_ids: list[int]) -> int:
+        """Characters the tokens' texts take: where the next token's text_offset starts after them."""
+        return sum(len(self.text(t)) for t in token_ids)
 
     def __call__(self, token_ids: list[int], entries: list[dict[int, Logprob]], offset: int = 0) -> dict:
         """token_ids with their `logprob_entries`; offset: where the first token's text starts in
@@ -363,7 +399,7 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
             if delta or reason is not None or ((body.return_token_ids or logprobs) and ids):
                 yield sse({**head, "choices": [choice(i, delta, ids, reason, False, update.logprobs or [],
                                                       offsets[i])]})
-            offsets[i] += len(delta)
+            offsets[i] += logprobs.span(ids) if logprobs else 0  # token texts, as the whole body counts them
         if (body.stream_options or {}).get("include_usage"):
             yield sse({**head, "choices": [], "usage": usage(asked, generated)})
         yield sse("[DONE]")
@@ -422,19 +458,14 @@ def build_app(server: Server) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
-            return JSONResponse(APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error')}"
-                                         ).body(), status_code=400)
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = f"{where}: {first.get('msg', 'invalid request body')}" if where else first.get("msg", "invalid body")
-        return JSONResponse(APIError(400, message, param=where or None).body(), status_code=400)
+        error = body_error(e.errors())
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok"}
 
@@ -453,7 +484,8 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body.model)
         refuse_unsupported(body)
         params = sampling_params(server, body, body.max_tokens)
-        prompts = completion_prompts(server, body.prompt)
+        # tokenizing a long text takes seconds: in a worker thread, so other requests keep streaming
+        prompts = await asyncio.to_thread(completion_prompts, server, body.prompt, params.n)
         for ids in prompts:
             server.check_room(ids, body.max_tokens, "max_tokens")
         return await complete(server, body, prompts, params, chat=False, client_gone=request.is_disconnected)
@@ -474,7 +506,7 @@ def build_app(server: Server) -> FastAPI:
             prompt = server.chat_template.render(body.messages, body.chat_template_kwargs)
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
-        ids = server.encode(prompt, "messages")
+        ids = await asyncio.to_thread(server.encode, prompt, "messages")
         server.check_room(ids, max_tokens, "max_tokens")
         return await complete(server, body, [ids], params, chat=True, client_gone=request.is_disconnected)
 
