@@ -276,7 +276,7 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-MAX_ROWS = 4096  # completions (prompts x n) one request may ask for: vLLM's cap on n
+MAX_ROWS = 4096  # completions (prompts x n) one request may ask for: the cap SamplingParams puts on n alone
 
 # How often a non-streaming request looks whether its client is still connected.
 DISCONNECT_POLL_S = 0.2
