@@ -283,6 +283,24 @@ def test_index_shards_stay_inside_the_model_directory(tiny_dir, tmp_path, shard)
         load_model(d)
 
 
+def test_a_hub_snapshot_with_symlinked_shards_loads(tiny_dir, tmp_path):
+    """The HF cache's layout: a snapshot's files are symlinks into a blobs folder beside it."""
+    d = copy_checkpoint(tiny_dir, tmp_path / "snapshots" / "abc")
+    (tmp_path / "blobs").mkdir()
+    (d / "model.safetensors").rename(tmp_path / "blobs" / "f00d")
+    (d / "model.safetensors").symlink_to("../../blobs/f00d")
+    names = list(load_file(str(d / "model.safetensors")))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "model.safetensors" for n in names}}))
+    model, _ = load_model(d)
+    want, _ = load_model(tiny_dir)
+    np.testing.assert_array_equal(np.asarray(model.embed_tokens[...]), np.asarray(want.embed_tokens[...]))
+
+
+def test_a_model_path_that_is_a_file_is_named(tiny_dir):
+    with pytest.raises(CheckpointError, match="is a file: pass the folder"):
+        load_model(tiny_dir / "config.json")
+
+
 def test_a_draft_model_that_is_a_file_is_named(tiny_dir, tmp_path):
     f = tmp_path / "draft.bin"
     f.write_bytes(b"x")

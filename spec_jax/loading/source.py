@@ -69,7 +69,9 @@ def read_config(model_dir: str | os.PathLike, parse):
     `generation_config.json`'s EOS ids when present. Errors name the directory or file."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {str(model_dir)!r} does not exist")
+        raise CheckpointError(f"model directory {str(model_dir)!r} " + (
+            "is a file: pass the folder holding config.json and the *.safetensors" if model_dir.exists() else
+            "does not exist"))
     cfg = parse_config(read_json(model_dir / "config.json"), model_dir / "config.json", parse)
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists() and hasattr(cfg, "eos_token_id"):
@@ -126,7 +128,8 @@ class TensorSource:
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no 'weight_map'")
             for name, shard in weight_map.items():
-                inside = isinstance(shard, str) and (model_dir / shard).resolve().is_relative_to(model_dir.resolve())
+                # by name, not by resolving: a hub snapshot's shards are symlinks into its blobs folder
+                inside = isinstance(shard, str) and not Path(shard).is_absolute() and ".." not in Path(shard).parts
                 if not inside:
                     raise CheckpointError(f"{index} maps {name!r} to {shard!r}; a shard is a file name inside "
                                           f"{model_dir}")
