@@ -120,6 +120,10 @@ class Qwen3_5Config:
             raise ValueError(f"eos_token_id / bos_token_id {ids} must be token ids (integers in [0, 2**31))")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:  # RoPE turns the rotated dims in pairs
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} rotates int(head_dim "
+                             f"{self.head_dim} x {self.partial_rotary_factor}) = {self.rotary_dim} dims of each head; "
+                             f"that must be an even number >= 2")
 
     @property
     def pattern(self) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from conftest import TINY
 from safetensors.numpy import load_file, save_file
 
 from spec_jax import LLM, SamplingParams
@@ -249,10 +250,13 @@ def test_json_files_of_the_wrong_type(tiny_dir, tmp_path, name, content):
         load_model(d)
 
 
-def test_partial_rotary_factor_out_of_range(tiny_dir, tmp_path):
+@pytest.mark.parametrize("factor, message", [(2.0, r"partial_rotary_factor=2.0 must be a number in \(0, 1\]"),
+                                             (0.3, r"= 9 dims of each head; that must be an even number"),
+                                             (0.01, r"= 0 dims of each head")])
+def test_partial_rotary_factor_out_of_range(tiny_dir, tmp_path, factor, message):
     d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
-    rewrite_config(d, lambda text: text.setdefault("rope_parameters", {}).update(partial_rotary_factor=2.0))
-    with pytest.raises(CheckpointError, match=r"partial_rotary_factor=2.0 must be a number in \(0, 1\]"):
+    rewrite_config(d, lambda text: text.setdefault("rope_parameters", {}).update(partial_rotary_factor=factor))
+    with pytest.raises(CheckpointError, match=message):
         load_model(d)
 
 
@@ -307,3 +311,57 @@ def test_a_draft_model_that_is_a_file_is_named(tiny_dir, tmp_path):
     with pytest.raises(CheckpointError, match="draft.bin is a file; a model is a directory"):
         LLM(model=str(tiny_dir), dtype="float32", max_model_len=64,
             speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": str(f)})
+
+
+def test_generation_config_values_are_checked_at_load(tiny_dir, tmp_path):
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    (d / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature must be a number, got 'hot'"):
+        LLM(model=str(d), dtype="float32", max_model_len=64)
+
+
+@pytest.mark.parametrize("sampling_params", [{"max_tokens": 4}, [{"max_tokens": 4}], 4, "x"])
+def test_sampling_params_of_the_wrong_type_are_named(tiny_llm, sampling_params):
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of one per prompt"):
+        tiny_llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sampling_params, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
+        tiny_llm.prefill([[5, 6, 7]], sampling_params)
+
+
+def test_prefill_and_generate_stream_check_params_against_the_model(tiny_llm):
+    bad = SamplingParams(logit_bias={TINY.vocab_size: 1.0})
+    with pytest.raises(ValueError, match="logit_bias has token id .* outside the vocabulary"):
+        tiny_llm.prefill([[5, 6]], bad)
+    with pytest.raises(ValueError, match="logit_bias has token id .* outside the vocabulary"):
+        next(tiny_llm.generate_stream(prompt_token_ids=[5, 6], sampling_params=bad))
+    with pytest.raises(ValueError, match="min_tokens=1000 exceeds max_model_len=256"):
+        tiny_llm.prefill([[5, 6]], SamplingParams(min_tokens=1000, max_tokens=None))
+
+
+def test_token_id_arrays_of_python_objects_or_no_axis(tiny_llm):
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    want = tiny_llm.generate(prompt_token_ids=[[5, 6]], sampling_params=greedy, use_tqdm=False)[0].outputs[0]
+    got = tiny_llm.generate(prompt_token_ids=[np.array([5, 6], dtype=object)], sampling_params=greedy,
+                            use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\] must be a list of token ids, got 5"):
+        tiny_llm.generate(prompt_token_ids=[np.array(5)], use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(chat_template="/nonexistent/t.jinja"), "is no file and no Jinja source"),
+    (dict(chat_template=5), "chat_template must be Jinja source text or a file"),
+    (dict(chat_template="{{ messages[0].content }}", chat_template_kwargs=[1]), "chat_template_kwargs must be a dict"),
+])
+def test_chat_template_arguments_are_checked(tiny_llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), **kwargs)
+
+
+def test_a_chat_template_that_is_not_text_is_named(tiny_dir, tmp_path):
+    from spec_jax.api.chat import read_chat_template
+
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
+    with pytest.raises(ValueError, match="chat_template is a int; it must be Jinja source text"):
+        read_chat_template(d)

@@ -40,6 +40,9 @@ def read_chat_template(model_dir: str | Path, override: str | None = None) -> st
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default", template[0].get("template") if template else None)
+    if template and not isinstance(template, str):
+        raise ValueError(f"{Path(model_dir) / 'tokenizer_config.json'}: chat_template is a "
+                         f"{type(template).__name__}; it must be Jinja source text (or a list of named ones)")
     if template:
         return template
     jinja_file = Path(model_dir) / "chat_template.jinja"

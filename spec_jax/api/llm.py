@@ -13,6 +13,7 @@ import copy
 import functools
 import itertools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import NoReturn, Sequence
@@ -245,6 +246,10 @@ class LLM:
         self._request_ids = itertools.count()
         self.lifetime = LifetimeCounters()
         self.generation_defaults = generation_defaults(self.model_path)
+        try:
+            SamplingParams(**self.generation_defaults)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{Path(self.model_path) / 'generation_config.json'}: {e}") from None
 
     def _set_speculation(self, speculative_config, rollback: str, max_num_seqs: int,
                          batch_buckets: tuple[int, ...] | None, draft=None) -> None:
@@ -347,8 +352,11 @@ class LLM:
         """A prompt's token ids [T] checked (ValueError naming `what` for a non-integer, an empty
         prompt, an id outside the vocabulary, or no room left for a generated token), as
         `integer_array` gives them."""
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | np.ndarray):
-            raise ValueError(f"{what} must be a list of token ids, got {ids!r}")
+        if (isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | np.ndarray)
+                or (isinstance(ids, np.ndarray) and ids.ndim != 1)):
+            raise ValueError(f"{what} must be a list of token ids, got {str(ids)[:80]}")
+        if isinstance(ids, np.ndarray) and ids.dtype == object:  # Python objects: checked one by one, as a list's
+            ids = ids.tolist()
         values = integer_array(ids)
         if values is None or values.ndim != 1 or not len(values) or not self._in_vocabulary(values):
             self._name_bad_id(ids, what)
@@ -438,14 +446,7 @@ class LLM:
         RequestOutput per prompt, in order.
         """
         requests = self._prompts(prompts, prompt_token_ids)
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params = ([sampling_params] * len(requests) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
-        if len(params) != len(requests):
-            raise ValueError(f"got {len(params)} sampling_params for {len(requests)} prompts")
-        for p in params:
-            self.check_params(p)
+        params = self._params_per_prompt(sampling_params, len(requests), self.get_default_sampling_params())
         rows = [(r, child) for r, p in enumerate(params) for child in fan_out(p)]
         completions: list = []
         n = self.engine.max_num_seqs
@@ -481,6 +482,8 @@ class LLM:
         if not conversations or any(not c or not all(isinstance(m, dict) for m in c) for c in conversations):
             raise ValueError("messages must be a non-empty list of {role, content} dicts, or a list of such lists")
         template = self._chat_template(chat_template)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict of template variables, got {chat_template_kwargs!r}")
         extra = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
         texts = [template.render(c, extra) for c in conversations]
         return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
@@ -491,9 +494,15 @@ class LLM:
         return ChatTemplate.of_checkpoint(self.model_path) if self.model_path else None
 
     def _chat_template(self, override: str | None) -> ChatTemplate:
-        if override is not None:  # a file, or the template's source itself
-            return ChatTemplate.of_checkpoint(self.model_path or "", override) if Path(override).is_file() \
-                else ChatTemplate(override)
+        if override is not None:  # a file, or the template's source itself (it has Jinja's {{ }} or {% %})
+            if not isinstance(override, str | os.PathLike):
+                raise ValueError(f"chat_template must be Jinja source text or a file, got {override!r}")
+            if Path(override).is_file():
+                return ChatTemplate.of_checkpoint(self.model_path or "", override)
+            if "{{" not in str(override) and "{%" not in str(override):
+                raise ValueError(f"chat_template={str(override)!r} is no file and no Jinja source "
+                                 f"(which has {{{{ ... }}}} or {{% ... %}})")
+            return ChatTemplate(override)
         template = self.checkpoint_chat_template
         if template is None:
             raise ValueError(f"{self.model_path} has no chat template (no chat_template in its tokenizer_config.json, "
@@ -529,11 +538,22 @@ class LLM:
         ids = [self._prompt_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
         if not 1 <= len(ids) <= self.engine.max_num_seqs:
             raise ValueError(f"got {len(ids)} prompts; prefill takes 1 to max_num_seqs={self.engine.max_num_seqs}")
-        params = sampling_params or SamplingParams()
-        params = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(ids):
-            raise ValueError(f"got {len(params)} sampling_params for {len(ids)} prompts")
-        return self.start_batch(ids, params)[0]
+        return self.start_batch(ids, self._params_per_prompt(sampling_params, len(ids), SamplingParams()))[0]
+
+    def _params_per_prompt(self, sampling_params, n: int, default: SamplingParams) -> list[SamplingParams]:
+        """One SamplingParams, a list of one per prompt, or None (default) -> n of them, each
+        checked against this model (`check_params`)."""
+        sampling_params = default if sampling_params is None else sampling_params
+        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else sampling_params
+        if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence) or not all(
+                isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of one per prompt, got "
+                             f"{str(sampling_params)[:80]}")
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        for p in params:
+            self.check_params(p)
+        return list(params)
 
     def decode(self, state: DecodeState, steps: int = 1) -> DecodeState:
         """Run up to `steps` jitted (speculative) steps on a `prefill`ed state, on the device,
@@ -683,8 +703,8 @@ class LLM:
         if steps_per_chunk < 1:
             raise ValueError(f"steps_per_chunk={steps_per_chunk} must be at least 1")
         ids = self.tokenize(prompt if prompt is not None else prompt_token_ids)
-        params = sampling_params or SamplingParams()
-        state, do_sample, _ = self.start_batch([ids], [params])
+        params = self._params_per_prompt(sampling_params, 1, SamplingParams())
+        state, do_sample, _ = self.start_batch([ids], params)
         sent = len(ids)
         while True:
             length, done = (int(x) for x in jax.device_get((state.lengths[0], state.done[0])))
