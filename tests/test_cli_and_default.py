@@ -82,7 +82,7 @@ def test_generate_refuses_overflowing_stop_ids_and_zero_max_model_len(capsys):
     assert main(["generate", "--prompt-token-ids", "1,2", "--stop-token-ids", "99999999999"]) == 2
     assert "stop_token_ids[0]=99999999999 must be a token id" in capsys.readouterr().err
     assert main(["generate", "--prompt-token-ids", "1,2", "--max-model-len", "0"]) == 2
-    assert "max_model_len=0 must be at least 2" in capsys.readouterr().err
+    assert "max_model_len=0 must be from 2 to" in capsys.readouterr().err
     assert main(["generate", "--prompt-token-ids", "1,2", "--max-num-seqs", "4", "--batch-buckets", "1,9"]) == 2
     assert "a batch bucket=9 must be between 1 and max_num_seqs=4" in capsys.readouterr().err
 

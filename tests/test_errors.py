@@ -169,7 +169,7 @@ def test_integer_ids_of_any_kind_come_back_as_plain_ints(tiny_llm):
 
 
 @pytest.mark.parametrize("kwargs, message", [({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
-                                             ({"max_model_len": 0}, "max_model_len=0 must be at least 2"),
+                                             ({"max_model_len": 0}, "max_model_len=0 must be from 2 to"),
                                              ({"seed": "1"}, "seed must be an integer")])
 def test_llm_arguments_are_checked(tiny_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -365,3 +365,37 @@ def test_a_chat_template_that_is_not_text_is_named(tiny_dir, tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
     with pytest.raises(ValueError, match="chat_template is a int; it must be Jinja source text"):
         read_chat_template(d)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=1.0), "tensor_parallel_size=1.0 must be an integer"),
+    (dict(prefix_cache_host_gb=True, enable_prefix_caching=True), "prefix_cache_host_gb=True must be a number"),
+    (dict(max_model_len=10**12), "max_model_len=1000000000000 must be from 2 to 2147483647"),
+])
+def test_llm_arguments_of_the_wrong_kind_are_named(tiny_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(tiny_dir), dtype="float32", **({"max_model_len": 64} | kwargs))
+
+
+def test_decode_steps_and_state_are_checked(tiny_llm):
+    state = tiny_llm.prefill([[5, 6]], SamplingParams(max_tokens=4))
+    for steps, message in (("3", "steps must be an integer"), (1.5, "steps must be an integer"),
+                           (2**40, "steps=1099511627776 must be a positive number of steps")):
+        with pytest.raises(ValueError, match=message):
+            tiny_llm.decode(state, steps)
+    with pytest.raises(ValueError, match="state must be the DecodeState"):
+        tiny_llm.decode(None)
+
+
+def test_a_logit_bias_key_of_non_ascii_digits_is_named():
+    with pytest.raises(ValueError, match="logit_bias key '²' must be a token id"):
+        SamplingParams(logit_bias={"²": 1.0})
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(model=123), "model must be a path or a Hugging Face repo id"),
+                                             (dict(model=["a"]), "model must be a path"),
+                                             (dict(tokenizer="/nonexistent/tok.json"),
+                                              "tokenizer '/nonexistent/tok.json' does not exist")])
+def test_model_and_tokenizer_paths_are_named(tiny_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(**({"model": str(tiny_dir), "dtype": "float32", "max_model_len": 64} | kwargs))

@@ -173,13 +173,13 @@ class LLM:
                  prefix_block_size: int | None = None, prefix_cache_gb: float | None = None,
                  prefix_cache_host_gb: float = 0.0, batch_invariant: bool = False, **kwargs):
         engine_args = resolve_engine_args(kwargs)
-        self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size != 1 else None
+        # make_mesh checks any other value (1.0 or True included) against the devices there are
+        self.mesh = None if type(tensor_parallel_size) is int and tensor_parallel_size == 1 else \
+            make_mesh(tensor_parallel_size)
         if model is None:
             model = str(default_model_dir())
-        if isinstance(model, Path):
-            model = str(model)
-        if isinstance(model, str):
-            model = local_checkpoint(model)
+        if not isinstance(model, Qwen3_5Model):
+            model = local_checkpoint(model)  # a path or a cached repo id; anything else is named
         loaded = model if isinstance(model, Qwen3_5Model) else None
         if loaded is not None:
             model, dtype = None, jnp.dtype(loaded.dtype).name
@@ -202,7 +202,7 @@ class LLM:
                                                                            checkpoint_methods(model))
         check_int("seed", seed, -(2**63), 2**63 - 1, "must fit in 64 bits")
         if max_model_len is not None:
-            check_int("max_model_len", max_model_len, 2, INT32_MAX, "must be at least 2")
+            check_int("max_model_len", max_model_len, 2, INT32_MAX, f"must be from 2 to {INT32_MAX}")
         enable_compilation_cache()
         self.model_path = model
         t0 = time.perf_counter()
@@ -221,7 +221,8 @@ class LLM:
         self.max_model_len = max_model_len
         self.compiler_options = compiler_options
         self.prefix_caching = prefix_caching_settings(enable_prefix_caching, prefix_block_size, prefix_cache_gb)
-        if not isinstance(prefix_cache_host_gb, int | float) or not 0 <= prefix_cache_host_gb < 1e6:
+        if (isinstance(prefix_cache_host_gb, bool) or not isinstance(prefix_cache_host_gb, int | float)
+                or not 0 <= prefix_cache_host_gb < 1e6):
             raise ValueError(f"prefix_cache_host_gb={prefix_cache_host_gb!r} must be a number of gigabytes >= 0")
         self.prefix_cache_host_bytes = int(prefix_cache_host_gb * 1e9)
         if not isinstance(batch_invariant, bool):
@@ -232,7 +233,7 @@ class LLM:
             self._size_batch(engine_args.gpu_memory_utilization, explicit=asked_seqs is not None)
         self.metrics: dict = {}
         if tokenizer:
-            tokenizer = local_checkpoint(str(tokenizer))  # a file, a directory, or a cached repo id
+            tokenizer = local_checkpoint(tokenizer, "tokenizer")  # a file, a directory, or a cached repo id
         tok_path = Path(tokenizer) if tokenizer else Path(model) / "tokenizer.json" if model else None
         if tok_path is not None and tok_path.is_dir():
             tok_path = tok_path / "tokenizer.json"
@@ -558,8 +559,9 @@ class LLM:
     def decode(self, state: DecodeState, steps: int = 1) -> DecodeState:
         """Run up to `steps` jitted (speculative) steps on a `prefill`ed state, on the device,
         stopping early when every row is done. The state is donated: use the returned one."""
-        if steps < 1:
-            raise ValueError(f"steps={steps} must be at least 1")
+        check_int("steps", steps, 1, INT32_MAX, "must be a positive number of steps")
+        if not isinstance(state, DecodeState):
+            raise ValueError(f"state must be the DecodeState prefill or decode returned, got {type(state).__name__}")
         do_sample = bool(jax.device_get(jnp.any(state.sampling.temperature > 0)))
         return self.engine.decode(state, steps, do_sample)
 

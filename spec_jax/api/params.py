@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -98,7 +99,7 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
             for token, bias in self.logit_bias.items():
-                if not str(token).lstrip("-").isdigit():
+                if not re.fullmatch(r"-?[0-9]+", str(token)):  # ASCII digits: str.isdigit takes "²"
                     raise ValueError(f"logit_bias key {token!r} must be a token id")
                 check_real(f"logit_bias[{token}]", bias, "must be a finite number", lambda b: True)
         if self.allowed_token_ids is not None:

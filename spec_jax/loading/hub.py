@@ -25,9 +25,12 @@ def cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     return snapshot if snapshot.is_dir() else None
 
 
-def local_checkpoint(name: str) -> str:
+def local_checkpoint(name: str, what: str = "model") -> str:
     """`name` as a local path: itself if it exists, else the cached snapshot of the HF repo id it
-    names. ValueError naming both places looked in otherwise."""
+    names. ValueError naming `what` (model, tokenizer) and both places looked in otherwise."""
+    if not isinstance(name, str | os.PathLike):
+        raise ValueError(f"{what} must be a path or a Hugging Face repo id, got {name!r}")
+    name = str(name)
     if Path(name).exists():
         return name
     parts = name.split("/")
@@ -36,8 +39,8 @@ def local_checkpoint(name: str) -> str:
         if snapshot is not None:
             return str(snapshot)
         where = hf_cache_dir() / f"models--{name.replace('/', '--')}"
-        raise ValueError(f"model {name!r} is not a local path, and as a Hugging Face repo id it is not in the local "
+        raise ValueError(f"{what} {name!r} is not a local path, and as a Hugging Face repo id it is not in the local "
                          f"cache ({where}); spec_jax downloads nothing: fetch it first (huggingface-cli download "
                          f"{name}) or pass its directory")
-    raise ValueError(f"model {name!r} does not exist: pass a checkpoint directory or file, or a Hugging Face repo id "
+    raise ValueError(f"{what} {name!r} does not exist: pass a checkpoint directory or file, or a Hugging Face repo id "
                      f"('org/name') already in the local cache ({hf_cache_dir()})")
