@@ -56,7 +56,8 @@ def test_ngram_one_bound_copies_to_the_other(given, expected):
 def test_mtp_defaults():
     cfg = parse({"method": "mtp"}, target_model="tgt")
     assert (cfg.num_speculative_tokens, cfg.model, cfg.prompt_lookup_min) == (1, "tgt", None)
-    assert parse({"method": "mtp", "model": "other"}, target_model="tgt").model == "other"
+    with pytest.warns(UserWarning, match="model='other' is ignored"):  # the MTP head is the target's own
+        assert parse_speculative_config({"method": "mtp", "model": "other"}, target_model="tgt").model == "other"
     assert parse({"method": "mtp", "num_speculative_tokens": 3}).num_speculative_tokens == 3
 
 
@@ -315,3 +316,11 @@ def test_deeply_nested_configs_are_clean_errors():
     with pytest.raises(ValueError, match="synthetic_acceptance_rates nests lists more than 8 deep"):
         parse({"method": "mtp", "num_speculative_tokens": 1, "rejection_sample_method": "synthetic",
                "synthetic_acceptance_rates": [[[[[[[[[[0.5]]]]]]]]]]})
+
+
+def test_an_mtp_model_other_than_the_target_is_named_as_ignored(tmp_path):
+    with pytest.warns(UserWarning, match="method 'mtp' drafts with the target's own MTP head"):
+        config = parse_speculative_config({"method": "mtp", "model": str(tmp_path / "other")},
+                                          target_model=str(tmp_path / "target"))
+    assert config.model == str(tmp_path / "other")  # as vLLM reports it
+    parse({"method": "mtp", "model": str(tmp_path / "target")}, target_model=str(tmp_path / "target"))  # no warning

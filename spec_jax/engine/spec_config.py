@@ -15,6 +15,7 @@ import functools
 import json
 import typing
 import warnings
+from pathlib import Path
 from typing import Any
 
 VLLM_METHODS = ("ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle", "eagle3",
@@ -349,7 +350,11 @@ def parse_speculative_config(spec: dict | str | None, *, target_model: str | Non
     fields = {key: value for key, value in raw.items() if key in FIELD_NAMES}
     fields["method"] = method
     if method == "mtp":
-        fields["model"] = fields.get("model") or target_model
+        given = fields.get("model")
+        if given and target_model and Path(str(given)).resolve() != Path(str(target_model)).resolve():
+            warnings.warn(f"speculative_config: method 'mtp' drafts with the target's own MTP head; "
+                          f"model={given!r} is ignored", stacklevel=2)
+        fields["model"] = given or target_model
         if fields.get("num_speculative_tokens") is None:
             fields["num_speculative_tokens"] = MTP_N_PREDICT
     if fields.get("num_speculative_tokens") is None:
