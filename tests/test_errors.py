@@ -399,3 +399,18 @@ def test_a_logit_bias_key_of_non_ascii_digits_is_named():
 def test_model_and_tokenizer_paths_are_named(tiny_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(**({"model": str(tiny_dir), "dtype": "float32", "max_model_len": 64} | kwargs))
+
+
+def test_tensors_a_config_leaves_unread_are_named(tiny_dir, tmp_path, caplog):
+    """config.json describing fewer layers than the checkpoint holds loads, with a warning naming
+    the tensors left unread; a whole checkpoint loads without one."""
+    with caplog.at_level("WARNING", logger="spec_jax"):
+        load_model(tiny_dir)
+    assert "not used by the model" not in caplog.text
+    d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
+    half = TINY.num_hidden_layers // 2
+    rewrite_config(d, lambda text: text.update(num_hidden_layers=half, layer_types=text["layer_types"][:half]))
+    with caplog.at_level("WARNING", logger="spec_jax"):
+        load_model(d)
+    assert "tensors of the checkpoint are not used by the model" in caplog.text
+    assert f"model.layers.{half}." in caplog.text or f"model.layers.{half + 1}." in caplog.text

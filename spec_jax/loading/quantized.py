@@ -111,6 +111,7 @@ class QuantizedSource(TensorSource):
         if name not in self or self.stored_dtype(name) != "F8_E4M3":
             return super().get(name)
         fname, stored = self.location[name]
+        self.read.add(name)
         if fname not in self.headers:
             self.headers[fname] = safetensors_header(self.model_dir / fname)
         table, start = self.headers[fname]

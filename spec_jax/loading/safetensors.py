@@ -4,11 +4,14 @@ NNX model; the name mapping is `source`'s."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
 from spec_jax.loading.quantized import QuantizedSource, read_quant_scheme
 from spec_jax.loading.source import TensorSource, fill_params, is_stacked, param_sources, read_tensor
+
+log = logging.getLogger("spec_jax")
 
 
 def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, progress: bool | None = None,
@@ -35,4 +38,9 @@ def load_params(model_dir: str | os.PathLike, cfg: Qwen3_5Config, dtype, *, prog
     model = fill_params(make_model, src,
                         lambda path: (param_sources(path, cfg), is_stacked(path)),
                         lambda name: read_tensor(src, name, cfg), progress=progress, placement=placement)
+    unread = src.unread()
+    if unread:
+        log.warning("%s: %d tensors of the checkpoint are not used by the model config.json describes (%s%s); "
+                    "check num_hidden_layers, layer_types and the tensor names", model_dir, len(unread),
+                    ", ".join(unread[:3]), ", ..." if len(unread) > 3 else "")
     return model, cfg

@@ -138,8 +138,10 @@ class TensorSource:
             files = sorted(p.name for p in model_dir.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"no *.safetensors files in {model_dir}")
+        self.model_dir = model_dir
         self.files = {}
         self.location: dict[str, tuple[str, str]] = {}  # canonical -> (file, stored name)
+        self.read: set[str] = set()  # canonical names handed out, for `unread`
         for fname in files:
             path = model_dir / fname
             if not path.exists():
@@ -165,6 +167,7 @@ class TensorSource:
         if name not in self.location:
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
         fname, stored = self.location[name]
+        self.read.add(name)
         try:
             return self.files[fname].get_tensor(stored)
         except (SafetensorError, OSError) as e:
@@ -172,6 +175,16 @@ class TensorSource:
 
     def names(self) -> list[str]:
         return list(self.location)
+
+    def unread(self) -> list[str]:
+        """Tensors not read so far that a model would use: after loading, a sign that config.json
+        describes less than the checkpoint holds (fewer layers, a misspelt name). Activation and
+        KV-cache scales of quantized exports and stored rotary tables are not weights and not listed."""
+        return sorted(n for n in self.location if n not in self.read and not n.endswith(NOT_WEIGHTS))
+
+
+# Tensor names exports carry besides weights: activation / KV-cache scales, rotary tables.
+NOT_WEIGHTS = ("input_scale", "k_scale", "v_scale", "rotary_emb.inv_freq")
 
 
 # ----------------------------------------------------------------------------- name mapping
