@@ -94,3 +94,18 @@ def test_a_missing_input_file_is_an_error_not_a_traceback(tiny_dir, tmp_path, ca
     rc = main(["bench", "--model", str(tiny_dir), "--input", str(tmp_path / "absent.jsonl")])
     assert rc == 2
     assert f"error: No such file or directory: '{tmp_path / 'absent.jsonl'}'" in capsys.readouterr().err
+
+
+def test_an_input_that_is_not_utf8_is_named(tiny_llm, tmp_path):
+    (tmp_path / "b.jsonl").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=r"b.jsonl is not UTF-8 text"):
+        read_requests(tiny_llm, tmp_path / "b.jsonl", max_tokens=8, temperature=0.0)
+
+
+def test_an_output_directory_that_does_not_exist_is_refused_before_generating(tiny_llm, tmp_path, monkeypatch):
+    import spec_jax.api.batch_eval as batch_eval
+
+    (tmp_path / "p.jsonl").write_text('{"prompt_token_ids": [1, 2]}\n')
+    monkeypatch.setattr(batch_eval, "run", lambda *a, **k: pytest.fail("generated before checking the output path"))
+    with pytest.raises(ValueError, match="its directory .*nowhere does not exist"):
+        batch_eval.run_file(tiny_llm, str(tmp_path / "p.jsonl"), str(tmp_path / "nowhere" / "o.jsonl"))

@@ -99,4 +99,18 @@ def test_serve_bounds_the_graceful_shutdown(monkeypatch, tiny_dir):
     assert seen["timeout_graceful_shutdown"] == 5.0
     assert main(["serve", "--model", str(tiny_dir), "--dtype", "float32", "--max-model-len", "64"]) == 0
     assert seen["timeout_graceful_shutdown"] == 30.0
-    assert main(["serve", "--model", str(tiny_dir), "--timeout-graceful-shutdown", "-1"]) == 2
+    with pytest.raises(SystemExit) as exit_:  # refused as the flags are read, before the model loads
+        main(["serve", "--model", str(tiny_dir), "--timeout-graceful-shutdown", "-1"])
+    assert exit_.value.code == 2
+
+
+def test_integer_lists_are_checked_as_the_flags_are_read(capsys, monkeypatch):
+    """A malformed id list is refused before any model loads (argparse's exit status 2)."""
+    import spec_jax.api.cli as cli
+
+    monkeypatch.setattr(cli, "load_llm", lambda args: pytest.fail("the model loaded before the flags were checked"))
+    for argv in (["generate", "--prompt-token-ids", "1,2,x"], ["generate", "--prompt", "a", "--stop-token-ids", "1,y"],
+                 ["generate", "--prompt", "a", "--batch-buckets", "1,two"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and "is not a comma-separated list of integers" in capsys.readouterr().err

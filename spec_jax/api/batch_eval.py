@@ -36,7 +36,11 @@ def read_requests(llm: LLM, path: str | Path, *, max_tokens: int, temperature: f
     """Parse and check every line (blank lines are skipped); a bad line raises ValueError
     naming its number."""
     requests = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); the input is JSONL") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 requests.append(parse_line(llm, line, n, max_tokens=max_tokens, temperature=temperature))
@@ -107,10 +111,13 @@ def run_file(llm: LLM, input_path: str, output_path: str | None = None, metrics_
     """Read `input_path`, generate, write outputs (JSONL) and metrics (JSON) next to it unless
     told where; returns the metrics."""
     requests = read_requests(llm, input_path, max_tokens=max_tokens, temperature=temperature)
-    outputs, metrics = run(llm, requests, warmup=warmup)
     stem = Path(input_path).with_suffix("")
     output_path = Path(output_path or f"{stem}.outputs.jsonl")
     metrics_path = Path(metrics_path or f"{stem}.metrics.json")
+    for path in (output_path, metrics_path):  # before generating: a typo would otherwise cost the whole run
+        if not path.parent.is_dir():
+            raise ValueError(f"cannot write {path}: its directory {path.parent} does not exist")
+    outputs, metrics = run(llm, requests, warmup=warmup)
     output_path.write_text("".join(json.dumps(output_line(r, o)) + "\n" for r, o in zip(requests, outputs)))
     metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
     summary = f"{metrics['num_requests']} requests, {metrics['num_generated_tokens']} tokens in " \

@@ -38,7 +38,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default 4096)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="batch rows per step (default 8, or what --gpu-memory-utilization fits up to 256)")
-    p.add_argument("--batch-buckets", default=None, metavar="ROWS",
+    p.add_argument("--batch-buckets", type=integer_list, default=None, metavar="ROWS",
                    help="comma-separated batch row counts to compile for (default: powers of two up to "
                         "--max-num-seqs); a batch runs padded to the smallest that holds it")
     p.add_argument("--seed", type=int, default=0)
@@ -60,13 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one or more prompts")
     add_model_args(gen)
     gen.add_argument("--prompt", action="append", default=None, help="prompt text (repeat for a batch)")
-    gen.add_argument("--prompt-token-ids", action="append", default=None,
+    gen.add_argument("--prompt-token-ids", type=integer_list, action="append", default=None,
                      help="comma-separated token ids, instead of text (repeat for a batch)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--stop-token-ids", default=None, help="comma-separated extra stop token ids")
+    gen.add_argument("--stop-token-ids", type=integer_list, default=None, help="comma-separated extra stop token ids")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--compare", action="store_true",
                      help="also run the prompts with speculation off; print both speeds (compilation excluded), "
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=port_number, default=8000)
-    serve.add_argument("--timeout-graceful-shutdown", type=float, default=30.0, metavar="SECONDS",
+    serve.add_argument("--timeout-graceful-shutdown", type=seconds, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, finish in-flight requests for at most this long, then stop (default 30)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--chat-template", default=None,
@@ -109,11 +109,23 @@ def port_number(text: str) -> int:
     return port
 
 
-def parse_ids(text: str, flag: str) -> list[int]:
+def integer_list(text: str) -> list[int]:
+    """A comma-separated list of integers (token ids, batch rows), checked as the flags are read."""
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise SystemExit(f"error: {flag} {text!r} is not a comma-separated list of integers") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds, >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0 seconds")
+    return value
 
 
 def load_llm(args):
@@ -121,9 +133,8 @@ def load_llm(args):
 
     t0 = time.perf_counter()
     engine_args = {name: getattr(args, name) for name in VLLM_FLAGS if getattr(args, name) is not None}
-    buckets = parse_ids(args.batch_buckets, "--batch-buckets") if args.batch_buckets else None
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, tokenizer=args.tokenizer,
-              max_num_seqs=args.max_num_seqs, batch_buckets=buckets, seed=args.seed,
+              max_num_seqs=args.max_num_seqs, batch_buckets=args.batch_buckets, seed=args.seed,
               speculative_config=args.speculative_config, rollback=args.rollback,
               batch_invariant=args.batch_invariant, **engine_args)
     print(f"loaded {llm.model_path} ({llm.cfg.model_type}, {llm.cfg.num_hidden_layers} layers) "
@@ -144,15 +155,13 @@ def generate(args) -> None:
         if not is_trained_default():
             print("NOTE: no --model given: using the embedded default model. Its weights are RANDOM, "
                   "so its text is noise; pass --model DIR for a real checkpoint.", file=sys.stderr)
-    stop = parse_ids(args.stop_token_ids, "--stop-token-ids") if args.stop_token_ids else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, stop_token_ids=stop, ignore_eos=args.ignore_eos)
+                            top_p=args.top_p, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
     if args.compare and args.speculative_config is None:
         raise ValueError("--compare needs --speculative-config (it compares speculation on with off)")
     llm = load_llm(args)
     run = lambda model, bar=True: (model.generate(args.prompt, params, use_tqdm=bar) if args.prompt else  # noqa: E731
-                                   model.generate(prompt_token_ids=[parse_ids(x, "--prompt-token-ids")
-                                                                    for x in args.prompt_token_ids],
+                                   model.generate(prompt_token_ids=args.prompt_token_ids,
                                                   sampling_params=params, use_tqdm=bar))
     outs = run(llm)
     for out in outs:
@@ -206,8 +215,6 @@ def serve(args) -> None:
         args.enable_prefix_caching = True
     server = Server(load_llm(args), served_model_name=args.served_model_name, chat_template=args.chat_template,
                     steps_per_chunk=args.steps_per_chunk)
-    if not args.timeout_graceful_shutdown >= 0:
-        raise ValueError(f"--timeout-graceful-shutdown {args.timeout_graceful_shutdown} must be >= 0 seconds")
     print(f"serving {server.name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(build_app(server), host=args.host, port=args.port,
                 timeout_graceful_shutdown=args.timeout_graceful_shutdown)
