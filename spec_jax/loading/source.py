@@ -138,7 +138,6 @@ class TensorSource:
             files = sorted(p.name for p in model_dir.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"no *.safetensors files in {model_dir}")
-        self.model_dir = model_dir
         self.files = {}
         self.location: dict[str, tuple[str, str]] = {}  # canonical -> (file, stored name)
         self.read: set[str] = set()  # canonical names handed out, for `unread`
