@@ -178,6 +178,11 @@ class Qwen3_5Config:
                 text[key] = rope[key]
         if rope.get("rope_type", "default") not in ("default", "mrope"):
             raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default' RoPE is implemented")
+        if text.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {text['hidden_act']!r}; only 'silu' (SwiGLU) is implemented")
+        if text.get("attn_output_gate", True) is not True:
+            raise ValueError(f"attn_output_gate={text['attn_output_gate']!r} is not supported: Qwen3.5's full "
+                             f"attention is gated")
         if text.get("mlp_only_layers"):
             raise ValueError(f"mlp_only_layers {text['mlp_only_layers']} is not supported (every layer must be MoE)")
         eos = text.get("eos_token_id", config.get("eos_token_id"))

@@ -233,6 +233,8 @@ def rewrite_config(d, edit):
     ("eos_token_id", 2**40, "must be token ids"),
     ("eos_token_id", [[0]], "must be token ids"),
     ("eos_token_id", {}, "must be token ids"),
+    ("hidden_act", "gelu_pytorch_tanh", "unsupported hidden_act 'gelu_pytorch_tanh'"),
+    ("attn_output_gate", False, "attn_output_gate=False is not supported"),
 ])
 def test_malformed_config_values_are_named(tiny_dir, tmp_path, key, value, message):
     d = copy_checkpoint(tiny_dir, tmp_path / "ckpt")
