@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.batch_invariant import elementwise, invariant_rows, row_tiled
-from pallas_kernels.fixed_order_matmul import fixed_order_matmul_pallas, use_fixed_order_matmul
+from pallas_kernels.fixed_order_matmul import BLOCK_N, fixed_order_matmul_pallas, use_fixed_order_matmul
 from pallas_kernels.flash_attention import flash_attention, use_flash_attention
 from pallas_kernels.quant_formats import QuantizedWeight, quantize
 from pallas_kernels.quant_matmul import quant_matmul
@@ -179,16 +179,24 @@ def fuse_linears(module: nnx.Module, names: tuple[str, ...]) -> None:
     `module.fused` whose weight is theirs stacked by rows, and drop them; `project` then runs one
     matmul where there were len(names). At decode sizes each matmul is a pass over its weight, and
     one long pass runs nearer the HBM ceiling than several short ones (BENCHMARKS.md). Quantized
-    Linears stay apart: their scales do not concatenate in every format. In place; repeatable."""
+    Linears stay apart: their scales do not concatenate in every format. On one device the joined
+    rows are padded with zero rows to a whole number of the fixed-order kernel's widest block, so
+    that it tiles them with that block rather than a narrow one or a padded copy per call (the
+    GDN's [qkv | z | b | a] is 16,480 rows at 27B). In place; repeatable."""
     parts = [getattr(module, n) for n in names]
     if any(p is None or p.format is not None for p in parts):
         return
     shards = parts[0].shards  # under tensor parallelism the joined rows are grouped by device
+    weights = [p.weight[...] for p in parts]
+    biases = [p.bias[...] if p.bias is not None else jnp.zeros(p.weight.shape[-2], p.weight.dtype) for p in parts]
+    extra = -sum(w.shape[-2] for w in weights) % BLOCK_N[0] if shards == 1 else 0
+    if extra:
+        weights.append(jnp.zeros((*weights[0].shape[:-2], extra, weights[0].shape[-1]), weights[0].dtype))
+        biases.append(jnp.zeros(extra, biases[0].dtype))
     bias = None
     if any(p.bias is not None for p in parts):  # a part without one adds zeros
-        bias = group_by_device([p.bias[...] if p.bias is not None else jnp.zeros(p.weight.shape[-2], p.weight.dtype)
-                                for p in parts], shards, axis=-1)
-    module.fused = Linear.of(group_by_device([p.weight[...] for p in parts], shards, axis=-2), bias)
+        bias = group_by_device(biases, shards, axis=-1)
+    module.fused = Linear.of(group_by_device(weights, shards, axis=-2), bias)
     module.fused.split, module.fused.shards = parts[0].split, shards
     module.fused_sizes = tuple(p.weight.shape[0] for p in parts)
     for n in names:
@@ -196,12 +204,13 @@ def fuse_linears(module: nnx.Module, names: tuple[str, ...]) -> None:
 
 
 def split_channels(y: jax.Array, sizes: tuple[int, ...], shards: int) -> tuple[jax.Array, ...]:
-    """The parts of y [..., sum(sizes)], each [..., size] in its own order. Under tensor
-    parallelism over `shards` devices the channels come grouped by device, [part_0 of device 0 |
-    part_1 of device 0 | ... | part_0 of device 1 | ...] (`models/tensor_parallel.py`), so each
-    device's contiguous slice holds its share of every part."""
-    ends = list(np.cumsum([s // shards for s in sizes]))[:-1]
-    parts = jnp.split(y.reshape(*y.shape[:-1], shards, -1), ends, axis=-1)
+    """The parts of y [..., sum(sizes) + padding], each [..., size] in its own order; channels past
+    the parts (`fuse_linears`' zero rows) are dropped. Under tensor parallelism over `shards`
+    devices the channels come grouped by device, [part_0 of device 0 | part_1 of device 0 | ... |
+    part_0 of device 1 | ...] (`models/tensor_parallel.py`), so each device's contiguous slice
+    holds its share of every part."""
+    ends = list(np.cumsum([s // shards for s in sizes]))
+    parts = jnp.split(y.reshape(*y.shape[:-1], shards, -1), ends, axis=-1)[:len(sizes)]
     return tuple(p.reshape(*p.shape[:-2], -1) for p in parts)
 
 

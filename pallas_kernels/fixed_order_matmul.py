@@ -13,9 +13,10 @@ summed by the same [ROWS, block_k] products. `plan` picks the blocks and the spl
 alone, so a row's result depends on that row's values, K and N only: never on the other rows, the
 program it runs in, or how many rows share it. The split is there for occupancy: a projection of
 few output columns would otherwise run on a handful of the GPU's SMs. A K or N that is no whole
-number of the smallest block (the default model's 4-head GDN beta and decay projections) is padded
-with zeros to one, so every projection runs here: XLA's dot on tiles of rows is not invariant on a
-GPU, where autotuning may sum the same tile in another order in another program.
+number of the smallest block is padded with zeros to one, so every projection runs here: XLA's dot
+on tiles of rows is not invariant on a GPU, where autotuning may sum the same tile in another order
+in another program. (That pads a copy of the weight per call; the decode layout's joined
+projections are padded once, to whole widest blocks, when it joins them.)
 
 The projections and the lm_head call it on all their rows at once where `use_fixed_order_matmul`
 says so: on a GPU in the mode (the kernel tiles the rows itself, with no padded copy of them).
@@ -40,6 +41,7 @@ ROWS = 64  # rows a program holds: a projection stays bound by its weight bytes 
 BLOCK_N = (128, 64, 32, 16)  # output columns a program holds, the largest that divides N
 BLOCK_K = (64, 32, 16)  # the K step, the largest that divides K
 WAVE = 132  # programs that keep every SM of an H100/H200 streaming weights
+LONG_RANGE = 4096  # of K, the most one program walks while fewer than two waves run
 
 
 class Plan(NamedTuple):
@@ -47,6 +49,7 @@ class Plan(NamedTuple):
     block_k: int
     splits: int  # ranges of K summed apart, then added in order
     num_stages: int  # loads in flight per program: more where few programs share the GPU
+    num_warps: int = 4  # 8 gained nothing on the 27B shapes (BENCHMARKS.md)
 
 
 def _divisor(n: int, choices: tuple[int, ...]) -> int | None:
@@ -55,10 +58,16 @@ def _divisor(n: int, choices: tuple[int, ...]) -> int | None:
 
 def plan(K: int, N: int) -> Plan:
     """The blocks and the split of K for a [*, K] @ [N, K]^T product, from K and N alone: the fewest
-    splits (each a whole number of K steps, at most 8) that give a wave of programs."""
+    splits (each a whole number of K steps, at most 8) that give a wave of programs, none walking
+    more than LONG_RANGE of K unless there are two waves (a long walk holds up its wave's end)."""
     bn, bk = _divisor(N, BLOCK_N), _divisor(K, BLOCK_K)
     splits = 1
-    while (N // bn) * splits < WAVE and splits < 8 and K % (2 * splits * bk) == 0:
+
+    def wanting(s: int) -> bool:
+        programs = (N // bn) * s
+        return programs < WAVE or (K // s > LONG_RANGE and programs < 2 * WAVE)
+
+    while wanting(splits) and splits < 8 and K % (2 * splits * bk) == 0:
         splits *= 2
     return Plan(bn, bk, splits, 4 if (N // bn) * splits < 2 * WAVE else 3)
 
@@ -93,7 +102,7 @@ def fixed_order_matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, int
     rows = _zero_padded(x.reshape(-1, K).astype(w.dtype), 1, BLOCK_K[-1])
     (n, K), N = rows.shape, w.shape[0]
     out_dtype = out_dtype or w.dtype
-    bn, bk, splits, stages = blocks or plan(K, N)
+    bn, bk, splits, stages, warps = blocks or plan(K, N)
     ks = K // splits
     partials = pl.pallas_call(
         functools.partial(_kernel, block_k=bk, n_rows=n),
@@ -101,7 +110,7 @@ def fixed_order_matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, int
         grid=(-(-n // ROWS), N // bn, splits),
         in_specs=[pl.BlockSpec((ROWS, ks), lambda i, j, s: (i, s)), pl.BlockSpec((bn, ks), lambda i, j, s: (j, s))],
         out_specs=pl.BlockSpec((None, ROWS, bn), lambda i, j, s: (s, i, j)),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=stages),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="fixed_order_matmul",
     )(rows, w)

@@ -88,8 +88,12 @@ def test_a_split_of_k_sums_its_ranges_to_the_product():
     np.testing.assert_array_equal(np.asarray(other[0]), np.asarray(got[0]))
 
 
-def test_the_plan_splits_k_only_where_few_column_blocks_would_leave_sms_idle():
-    assert fom.plan(5120, 248320).splits == 1  # the lm_head: 1940 column blocks
-    small = fom.plan(17408, 5120)  # a down projection: 40 column blocks
-    assert small.splits > 1 and (5120 // small.block_n) * small.splits >= fom.WAVE
-    assert 17408 % (small.splits * small.block_k) == 0
+def test_the_plan_splits_k_where_few_column_blocks_would_idle_sms_or_one_program_walk_far():
+    """The lm_head (1940 column blocks) and 27B's gate_up (272: two waves) do not split; its out
+    projection (40 blocks, K 6,144) splits to a wave; its down projection (40 blocks, K 17,408)
+    further, until no program walks more than LONG_RANGE of K."""
+    assert fom.plan(5120, 248320).splits == 1 and fom.plan(5120, 34816).splits == 1
+    down, out = fom.plan(17408, 5120), fom.plan(6144, 5120)
+    assert out.splits == 4 and down.splits == 8 and 17408 // down.splits <= fom.LONG_RANGE
+    for p, K in ((down, 17408), (out, 6144)):
+        assert (5120 // p.block_n) * p.splits >= fom.WAVE and K % (p.splits * p.block_k) == 0

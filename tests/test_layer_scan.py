@@ -94,7 +94,8 @@ def test_decode_layout_keeps_the_outputs_and_releases_the_stacks(moe):
     assert probe() is None  # the stack was released, not kept beside the new arrays
     assert model.layers is None and len(model.groups) == cfg.num_groups
     joined = model.groups[0][0].linear_attn
-    assert joined.in_proj_qkv is None and joined.fused.weight.shape[0] == sum(joined.fused_sizes)
+    rows = joined.fused.weight.shape[0]
+    assert joined.in_proj_qkv is None and rows % 128 == 0 and 0 <= rows - sum(joined.fused_sizes) < 128
     # float32; a joined matmul sums in another order than three separate ones
     for a, b in zip(before, run(model)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
