@@ -35,6 +35,7 @@ import numpy as np
 from models.layers import attend_masked
 from pallas_kernels import expert_matmul
 from pallas_kernels.flash_attention import flash_attention_pallas
+from pallas_kernels.flash_attention_wgmma import flash_attention_wgmma, use_wgmma_attention
 from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
 from pallas_kernels.nvfp4_mma_mosaic import MAX_ROWS as MOSAIC_MAX_ROWS
@@ -368,8 +369,9 @@ def cudnn_attention(q, k, v, start):
 
 
 def attention_cases(rng, shapes=((256, 16640), (4096, 4096), (16384, 16384))) -> list[dict]:
-    """Flash attention and cuDNN's (`cudnn_attention`) against XLA's masked softmax for (T queries,
-    S slots): the queries are the last T positions of the context; error relative to XLA's in float32."""
+    """Flash attention (the Triton kernel and the wgmma one), and cuDNN's (`cudnn_attention`),
+    against XLA's masked softmax for (T queries, S slots): the queries are the last T positions of
+    the context; error relative to XLA's in float32."""
     rows = []
     for T, S in shapes:
         nq, nkv, d = 24, 4, 256
@@ -383,6 +385,10 @@ def attention_cases(rng, shapes=((256, 16640), (4096, 4096), (16384, 16384))) ->
                "rel_err_xla_bf16": max_rel_error([jax.jit(xla)(q, k, v, pos).astype(jnp.float32)], [want]),
                "flash_us": call_time_us(flash_attention_pallas, (q, k, v, pos)),
                "xla_us": call_time_us(xla, (q, k, v, pos))}
+        if use_wgmma_attention(q, S):
+            row["rel_err_wgmma"] = max_rel_error([flash_attention_wgmma(q, k, v, pos).astype(jnp.float32)], [want])
+            row["wgmma_us"] = call_time_us(flash_attention_wgmma, (q, k, v, pos))
+            row["wgmma_TFLOP_s"] = 4 * nq * d * T * (S - T / 2) / row["wgmma_us"] / 1e6
         start = jnp.asarray([S - T], jnp.int32)
         try:
             cudnn = jax.jit(cudnn_attention)

@@ -316,8 +316,9 @@ def attend_block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -
 
 
 def attend(q: jax.Array, cache: KVCache, g, kv_len: int, q_pos: jax.Array) -> jax.Array:
-    """Causal GQA attention of new queries q [B, T, nq, d] at positions q_pos [B, T] over slots
-    [0, kv_len) of repeat g of the stacked cache [G, B, L, nkv, d]. Slot j is visible to a query
+    """Causal GQA attention of new queries q [B, T, nq, d] at positions q_pos [B, T] (each row's
+    start + t, as `Batch.positions_for` gives them) over slots [0, kv_len) of repeat g of the
+    stacked cache [G, B, L, nkv, d]. Slot j is visible to a query
     at position p iff j <= p. Prefill-sized passes on a GPU (and every pass there in
     batch-invariant mode) run the flash kernel, which reads the repeat in place; others this
     masked softmax over the repeat's slice."""

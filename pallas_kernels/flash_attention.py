@@ -4,7 +4,10 @@
 
 `models.layers.attend` runs this Pallas (Triton) flash kernel on a GPU for passes of `BLOCK_Q` or
 more queries, and for every pass in batch-invariant mode (`use_flash_attention`), and its
-reference, XLA's masked softmax (`models.layers.attend_masked`), elsewhere. XLA writes every
+reference, XLA's masked softmax (`models.layers.attend_masked`), elsewhere. On a Hopper GPU the
+default path's passes of whole 128-query tiles go to flash_attention_wgmma.py's kernel instead
+(wgmma fed by TMA: 1.6x this one on a prefix-cache block pass); this one serves the other shapes
+and batch-invariant mode, whose single fixed configuration it provides. XLA writes every
 [T, S] score matrix to memory and reads it back for the softmax; the kernel keeps a [BLOCK_Q, d]
 output tile and its running max and sum in registers while it walks the key blocks (online
 softmax), and stops at the last key block its queries can see.
@@ -29,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.batch_invariant import invariant_rows
+from pallas_kernels.flash_attention_wgmma import flash_attention_wgmma, use_wgmma_attention
 from pallas_kernels.tensor_parallel import on_axis, per_device
 
 
@@ -179,9 +183,16 @@ def flash_attention_fixed_order(q, k, v, q_pos, group=0, *, kv_len: int | None =
 
 
 def flash_attention(q, k, v, q_pos, group, kv_len: int):
-    """The kernel (`flash_attention_fixed_order` in batch-invariant mode) on the stacked caches
-    k, v [G, B, L, nkv, d], under a tensor-parallel mesh per device on the heads it holds."""
-    kernel = flash_attention_pallas if invariant_rows() is None else flash_attention_fixed_order
+    """The kernel on the stacked caches k, v [G, B, L, nkv, d]: `flash_attention_fixed_order` in
+    batch-invariant mode, else the wgmma kernel where it takes the shapes, else the Triton one;
+    under a tensor-parallel mesh per device on the heads it holds. q_pos [B, T]: each row's
+    start + t."""
+    if invariant_rows() is not None:
+        kernel = flash_attention_fixed_order
+    elif use_wgmma_attention(q, kv_len):
+        kernel = flash_attention_wgmma
+    else:
+        kernel = flash_attention_pallas
     run = lambda q, k, v, q_pos, group: kernel(q, k, v, q_pos, group, kv_len=kv_len)  # noqa: E731
     heads, kv_heads, whole = on_axis(4, 2), on_axis(5, 3), jax.sharding.PartitionSpec()
     return per_device(run, (heads, kv_heads, kv_heads, whole, whole), heads)(q, k, v, q_pos,
