@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.attention_common import key_range
 from pallas_kernels.batch_invariant import invariant_rows
 from pallas_kernels.flash_attention_wgmma import flash_attention_wgmma, use_wgmma_attention
 from pallas_kernels.tensor_parallel import on_axis, per_device
@@ -57,18 +58,17 @@ TARGET_PROGRAMS = 528
 
 
 def _flash_kernel(q_ref, k_ref, v_ref, pos_ref, group_ref, acc_ref, max_ref, sum_ref, *, block_k: int,
-                  per_split: int):
+                  splits: int):
     """One (row, query head, query block, key split): q [BQ, d]; k, v [G, S, d] (the row's stacked
     caches for the query head's key head, of which repeat group [1] is read); pos [BQ] the
-    queries' positions. Walks key blocks [split * per_split, (split + 1) * per_split) up to the
-    last one a query sees and writes the unnormalised output acc [BQ, d], the running max [BQ]
-    and the sum of exponentials [BQ]."""
+    queries' positions. Walks its split's share (`key_range`) of the key blocks up to the last one
+    a query sees and writes the unnormalised output acc [BQ, d], the running max [BQ] and the sum
+    of exponentials [BQ]."""
     q = q_ref[...]
     pos = pos_ref[...]
     g = group_ref[0]
     _, S, d = k_ref.shape
-    first = pl.program_id(3) * per_split
-    last = jnp.minimum(jnp.minimum(jnp.max(pos) // block_k + 1, S // block_k), first + per_split)
+    first, steps = key_range(jnp.minimum(jnp.max(pos) // block_k + 1, S // block_k), pl.program_id(3), splits)
 
     def step(j, carry):
         m, total, acc = carry
@@ -86,7 +86,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, pos_ref, group_ref, acc_ref, max_ref, sum
     BQ = q.shape[0]
     # A finite start for the max: a split whose keys no query sees keeps it, and weighs nothing.
     init = (jnp.full((BQ,), -1e30, jnp.float32), jnp.zeros((BQ,), jnp.float32), jnp.zeros((BQ, d), jnp.float32))
-    m, total, acc = jax.lax.fori_loop(first, jnp.maximum(last, first), step, init)
+    m, total, acc = jax.lax.fori_loop(first, first + steps, step, init)
     acc_ref[...] = acc
     max_ref[...] = m
     sum_ref[...] = total
@@ -123,7 +123,6 @@ def flash_attention_pallas(q, k, v, q_pos, group=0, *, kv_len: int | None = None
     blocks = blocks or blocks_for(T, S, d, q.dtype.itemsize)
     bq, bk = blocks.q, blocks.k
     rep, n = nq // nkv, splits or key_splits(B, T, nq, S, blocks)
-    per_split = -(-(S // bk) // n)
     q_pos = jnp.clip(q_pos.astype(jnp.int32), 0, S - 1)  # padding queries may point past the cache
     queries = pl.BlockSpec((None, bq, None, d), lambda b, h, i, s: (b, i, h, 0))
     cache = pl.BlockSpec((G, None, S, None, d), lambda b, h, i, s: (0, b, 0, h // rep, 0))
@@ -132,7 +131,7 @@ def flash_attention_pallas(q, k, v, q_pos, group=0, *, kv_len: int | None = None
     partial_out = pl.BlockSpec((None, None, bq, None, d), lambda b, h, i, s: (s, b, i, h, 0))
     partial_row = pl.BlockSpec((None, None, bq, None), lambda b, h, i, s: (s, b, i, h))
     acc, m, total = pl.pallas_call(
-        functools.partial(_flash_kernel, block_k=bk, per_split=per_split),
+        functools.partial(_flash_kernel, block_k=bk, splits=n),
         out_shape=[jax.ShapeDtypeStruct((n, B, T, nq, d), jnp.float32),
                    jax.ShapeDtypeStruct((n, B, T, nq), jnp.float32), jax.ShapeDtypeStruct((n, B, T, nq), jnp.float32)],
         grid=(B, nq, T // bq, n),

@@ -16,9 +16,9 @@ TMA, FlashAttention-3 style:
     position, updates the online softmax in base 2 (the scale folded into log2(e)), and adds
     p @ v with a second wgmma; a shared barrier staggers the two consumers so that one's softmax
     overlaps the other's matmuls;
-  * a CTA walks only the key blocks its queries can see; the cache's blocks are cut into
-    `splits` ranges of their own CTAs (a 256-query pass has 48 (head, tile) pairs for 132 SMs),
-    and each range writes its normalised output and log-sum-exp, merged after the call.
+  * a CTA walks only the key blocks its queries can see, cut into `splits` ranges of their own
+    CTAs (`key_range`; a 256-query pass has 48 (head, tile) pairs for 132 SMs), and each range
+    writes its normalised output and log-sum-exp, merged after the call.
 
 Positions are each row's start + t, as `Batch.positions_for` makes them; the row's start is read
 from q_pos[:, 0]. `use_wgmma_attention` says which passes take it (float16 or bfloat16, head dim a
@@ -39,6 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.attention_common import key_range
+
 BLOCK_Q = 64  # queries a consumer warpgroup owns: wgmma's M
 TILE_Q = 2 * BLOCK_Q  # queries a CTA owns
 BLOCK_K = 64  # cache slots a step scores
@@ -57,17 +59,16 @@ def key_splits(B: int, T: int, nq: int, S: int) -> int:
     return max(range(1, most + 1), key=lambda n: (round(fill(n), 2), -n))
 
 
-def _kernel(q_ref, k_ref, v_ref, start_ref, group_ref, o_ref, lse_ref, scoped, *, splits: int, per_split: int,
-            n_blocks: int, rep: int, scale: float):
+def _kernel(q_ref, k_ref, v_ref, start_ref, group_ref, o_ref, lse_ref, scoped, *, splits: int, n_blocks: int,
+            rep: int, scale: float):
     (q_smem, k_smem, v_smem, lse_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
     head, tile, cell = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("cells")
     row, split = lax.div(cell, jnp.int32(splits)), lax.rem(cell, jnp.int32(splits))
     wg = lax.axis_index("wg")
     start = start_ref[row]
     g = group_ref[0]
-    first = split * per_split
     seen = jnp.minimum((start + tile * TILE_Q + TILE_Q - 1) // BLOCK_K + 1, n_blocks)  # blocks the tile sees
-    steps = jnp.maximum(jnp.minimum(seen, first + per_split) - first, 0)
+    first, steps = key_range(seen, split, splits)
     d = q_smem.shape[-1]
 
     def take_turn():
@@ -165,7 +166,6 @@ def flash_attention_wgmma(q, k, v, q_pos, group=0, *, kv_len: int | None = None,
     nkv, S = k.shape[3], kv_len or k.shape[2]
     n_blocks = S // BLOCK_K
     n = splits or key_splits(B, T, nq, S)
-    per_split = -(-n_blocks // n)
     dtype = q.dtype
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -177,7 +177,7 @@ def flash_attention_wgmma(q, k, v, q_pos, group=0, *, kv_len: int | None = None,
         ready = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=2))
         free = (plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),) * 2
         pl.run_scoped(lambda *scoped: _kernel(q_ref, k_ref, v_ref, start_ref, group_ref, o_ref, lse_ref, scoped,
-                                              splits=n, per_split=per_split, n_blocks=n_blocks, rep=nq // nkv,
+                                              splits=n, n_blocks=n_blocks, rep=nq // nkv,
                                               scale=d ** -0.5),
                       scratch, ready, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from models.layers import attend_masked
+from pallas_kernels.attention_common import key_range
 from pallas_kernels.flash_attention import (
     BLOCK_K,
     BLOCK_Q,
@@ -36,6 +37,7 @@ def causal_reference(q, k, v, q_pos):
     (1, 2 * BLOCK_Q, 2 * BLOCK_Q, 2, 1, (0,)),                    # a prompt's prefill: T = S
     (2, 2 * BLOCK_Q, 4 * BLOCK_Q, 4, 2, (BLOCK_Q, BLOCK_Q + 7)),  # a block deep in the cache, per-row starts
     (1, 4 * BLOCK_Q, 5 * BLOCK_Q, 4, 1, (BLOCK_Q - BLOCK_K,)),    # query blocks seeing different key ranges
+    (1, 2 * BLOCK_Q, 16 * BLOCK_Q, 2, 1, (BLOCK_Q,)),             # a long cache the queries see a little of
 ])
 def test_kernel_matches_the_masked_softmax(B, T, S, nq, nkv, start, splits, blocks):
     q, k, v = random_qkv(0, B, T, S, nq, nkv, 16)
@@ -92,6 +94,14 @@ def test_short_passes_over_long_caches_split_their_keys():
     assert key_splits(1, 256, 24, 16640, wide) == 11    # a prefix-cache block pass at 27B dims: 48 -> 528 programs
     assert key_splits(1, 16384, 24, 16384, wide) == 1   # a long prompt has programs enough
     assert key_splits(1, BLOCK_Q, 2, 4 * BLOCK_K, FIXED_ORDER) == 1  # never fewer than 4 key blocks a range
+
+
+def test_the_ranges_of_a_split_share_the_seen_blocks_evenly_whatever_the_caches_length():
+    for seen, splits in ((260, 11), (4, 11), (7, 3), (1, 1), (12, 4)):
+        ranges = [tuple(int(x) for x in key_range(jnp.int32(seen), jnp.int32(s), splits)) for s in range(splits)]
+        walked = [b for first, steps in ranges for b in range(first, first + steps)]
+        assert walked == list(range(seen))  # every seen block once, in order
+        assert max(steps for _, steps in ranges) == -(-seen // splits)
 
 
 def test_each_pass_takes_the_largest_blocks_that_tile_it_and_fit():
