@@ -115,16 +115,16 @@ SCALE_NAMES = {"int8": ("weight_scale", None), "fp8": ("weight_scale", None),
 def dot_transposed(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x [..., K] @ w [N, K]^T -> [..., N] in out_dtype (default w's), x cast to w's dtype: XLA's
     dot, or in batch-invariant mode on a GPU the fixed-order kernel (`use_fixed_order_matmul`)."""
-    if use_fixed_order_matmul(x, w):
+    if use_fixed_order_matmul():
         return fixed_order_matmul_pallas(x, w, out_dtype=out_dtype)
     return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=out_dtype)
 
 
-def tiled_projection(fn: Callable, x: jax.Array, w: jax.Array):
-    """fn(x) for a projection of x [..., K] by w [N, K] (`dot_transposed` inside): in
+def tiled_projection(fn: Callable, x: jax.Array):
+    """fn(x) for a projection of x [..., K] (`dot_transposed` inside): in
     batch-invariant mode on tiles of rows (`row_tiled`), except where the fixed-order kernel runs
     it, which tiles the rows itself and needs no padded copy of them."""
-    if use_fixed_order_matmul(x, w):
+    if use_fixed_order_matmul():
         return fn(x)
     return row_tiled(fn, x, fixed_rows=True)
 
@@ -147,7 +147,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.format is None:
-            return tiled_projection(self.apply, x, self.weight[...])
+            return tiled_projection(self.apply, x)
         return row_tiled(self.apply, x, fixed_rows=True)
 
     def apply(self, x: jax.Array) -> jax.Array:

@@ -564,7 +564,7 @@ class Qwen3_5Model(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Post-norm hidden [..., H] -> float32 logits [..., V]."""
         w = self.embed_tokens[...] if self.lm_head is None else self.lm_head.weight[...]
-        return tiled_projection(lambda h: dot_transposed(h, w, jnp.float32), hidden, w)
+        return tiled_projection(lambda h: dot_transposed(h, w, jnp.float32), hidden)
 
     def __call__(self, tokens: jax.Array, batch: Batch, cache: ModelCache, *, kv_len: int, rollback=None,
                  taps: tuple[int, ...] = ()):

@@ -126,7 +126,7 @@ def _zero_padded(a: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
 
 
-def use_fixed_order_matmul(x: jax.Array, w: jax.Array) -> bool:
-    """Whether a projection runs this kernel: on a GPU, inside batch-invariant mode, on one device
-    (a split weight's partial sums are XLA's)."""
+def use_fixed_order_matmul() -> bool:
+    """Whether the projections run this kernel, whatever their shapes: on a GPU, inside
+    batch-invariant mode, on one device (a split weight's partial sums are XLA's)."""
     return jax.default_backend() == "gpu" and invariant_rows() is not None and tp_size() == 1

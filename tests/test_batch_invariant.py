@@ -147,7 +147,7 @@ def test_on_a_gpu_a_projection_hands_all_its_rows_to_the_fixed_order_kernel(monk
         return kernel(x, w, **kwargs, interpret=True)
 
     monkeypatch.setattr(layers, "fixed_order_matmul_pallas", fixed_order)
-    monkeypatch.setattr(layers, "use_fixed_order_matmul", lambda x, w: True)
+    monkeypatch.setattr(layers, "use_fixed_order_matmul", lambda: True)
     rng = np.random.default_rng(9)
     linear = layers.Linear(128, 64, bias=True)
     linear.weight[...] = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)
