@@ -61,6 +61,10 @@ def key_splits(B: int, T: int, nq: int, S: int) -> int:
 
 def _kernel(q_ref, k_ref, v_ref, start_ref, group_ref, o_ref, lse_ref, scoped, *, splits: int, n_blocks: int,
             rep: int, scale: float):
+    """One CTA: query head, tile of TILE_Q queries, and (row, key range) from the grid. q [B, T, nq, d];
+    k, v [G, B, L, nkv, d], repeat group [1] read; start [B] each row's first position. Writes the
+    tile's output, normalised over the range's keys, to o [splits, B, T, nq, d] and its base-2
+    log-sum-exp (-inf where the range holds no key a query sees) to lse [splits, B, nq, T]."""
     (q_smem, k_smem, v_smem, lse_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
     head, tile, cell = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("cells")
     row, split = lax.div(cell, jnp.int32(splits)), lax.rem(cell, jnp.int32(splits))
@@ -153,9 +157,8 @@ def _kernel(q_ref, k_ref, v_ref, start_ref, group_ref, o_ref, lse_ref, scoped, *
             fetch(i + STAGES, slot)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_len", "splits", "interpret"))
-def flash_attention_wgmma(q, k, v, q_pos, group=0, *, kv_len: int | None = None, splits: int | None = None,
-                          interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("kv_len", "splits"))
+def flash_attention_wgmma(q, k, v, q_pos, group=0, *, kv_len: int | None = None, splits: int | None = None):
     """q [B, T, nq, d]; k, v the stacked caches [G, B, L, nkv, d] (or one repeat's [B, L, nkv, d]), of
     which repeat `group` and its slots 0..kv_len-1 (default L) are read in place; q_pos [B, T]
     int32, each row start + t. Returns o [B, T, nq, d] in q's dtype. Shapes as
@@ -189,7 +192,6 @@ def flash_attention_wgmma(q, k, v, q_pos, group=0, *, kv_len: int | None = None,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret,
     )(q, k.astype(dtype), v.astype(dtype), q_pos[:, 0].astype(jnp.int32), jnp.reshape(group, (1,)).astype(jnp.int32))
     if n == 1:
         return out[0]
