@@ -3,7 +3,7 @@ caching, on a miss and on a hit, against a plain prefill of the new tokens alone
 bytes per cached token; and decode speed with caching on and off (plain, and MTP k=1 at a
 synthetic acceptance of 0.85) after a shorter prompt. Random weights of a released geometry, made on the device.
 With --profile, also the device time of each engine program (restore, block pass, start_decode;
-the plain prefill) from a `jax.profiler` trace.
+the plain prefill) from a `jax.profiler` trace, and when each ran within its prefill.
 
     python -m bench.prefix_cache --geometry 27b --prefix 16384 --new 256 --out results/prefix_cache.json
 """
@@ -20,7 +20,7 @@ import jax
 
 from bench.models import geometry_config, random_model, random_prompts
 from bench.scale import synthetic
-from bench.step_profile import summarize, trace_calls
+from bench.step_profile import Event, summarize, trace_calls
 from spec_jax import LLM, SamplingParams
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
@@ -57,21 +57,40 @@ def hit_parts(llm: LLM, ids: list[int]) -> dict:
 
 
 def device_time(llm: LLM, prompts: list[list[int]]) -> dict:
-    """Device time of each engine program over prefills of `prompts` (one each, traced with
-    `jax.profiler`), per prefill: kernel sum, busy time, kernel count and the top kernels."""
-    remaining = iter(prompts)
-    events, _, _ = trace_calls(lambda: ttft_s(llm, next(remaining)), (), calls=len(prompts))
+    """Device time of each engine program over prefills of `prompts` (each traced alone with
+    `jax.profiler`), per prefill: kernel sum, busy time, kernel count, the top kernels, and when
+    it ran within its prefill (`program_timeline`)."""
+    traces = [trace_calls(ttft_s, (llm, ids), calls=1)[0] for ids in prompts]
     programs = collections.defaultdict(list)
-    for e in events:
+    for e in (e for events in traces for e in events):
         programs[e.module].append(e)
+    when = [program_timeline(events) for events in traces]
     out = {}
     for module, evs in sorted(programs.items(), key=lambda kv: min(e.start_ns for e in kv[1])):
         summary = summarize(evs, len(prompts))
         out[module] = {"kernel_ms": summary["kernel_ms_per_call"], "busy_ms": summary["busy_ms_per_call"],
                        "kernels": summary["kernels_per_call"],
+                       **{k: sum(w[module][k] for w in when) / len(when) for k in ("start_ms", "end_ms")
+                          if all(module in w for w in when)},
                        "top": [{k: kernel[k] for k in ("name", "us_per_call", "count_per_call")}
                                for kernel in summary["kernels"][:8]]}
     return out
+
+
+def program_timeline(events: list[Event]) -> dict[str, dict]:
+    """When each program of one prefill ran on the device: its first kernel's start and its last
+    kernel's end, in ms from the prefill's first kernel; transfers outside any program are left
+    out. The device idles between one program's end and the next one's start while the host
+    dispatches."""
+    spans = {}
+    for e in events:
+        if e.module in ("", "?"):
+            continue
+        first, last = spans.get(e.module, (e.start_ns, e.start_ns + e.duration_ns))
+        spans[e.module] = (min(first, e.start_ns), max(last, e.start_ns + e.duration_ns))
+    origin = min((first for first, _ in spans.values()), default=0.0)
+    return {module: {"start_ms": (first - origin) / 1e6, "end_ms": (last - origin) / 1e6}
+            for module, (first, last) in spans.items()}
 
 
 def decode_ms(llm: LLM, ids: list[int], steps: int) -> tuple[float, float]:
