@@ -188,14 +188,14 @@ def fuse_linears(module: nnx.Module, names: tuple[str, ...]) -> None:
         return
     shards = parts[0].shards  # under tensor parallelism the joined rows are grouped by device
     weights = [p.weight[...] for p in parts]
-    biases = [p.bias[...] if p.bias is not None else jnp.zeros(p.weight.shape[-2], p.weight.dtype) for p in parts]
+    biases = None
+    if any(p.bias is not None for p in parts):  # a part without one adds zeros
+        biases = [p.bias[...] if p.bias is not None else jnp.zeros(p.weight.shape[-2], p.weight.dtype) for p in parts]
     extra = -sum(w.shape[-2] for w in weights) % BLOCK_N[0] if shards == 1 else 0
     if extra:
         weights.append(jnp.zeros((*weights[0].shape[:-2], extra, weights[0].shape[-1]), weights[0].dtype))
-        biases.append(jnp.zeros(extra, biases[0].dtype))
-    bias = None
-    if any(p.bias is not None for p in parts):  # a part without one adds zeros
-        bias = group_by_device(biases, shards, axis=-1)
+        biases = biases and [*biases, jnp.zeros(extra, biases[0].dtype)]
+    bias = group_by_device(biases, shards, axis=-1) if biases else None
     module.fused = Linear.of(group_by_device(weights, shards, axis=-2), bias)
     module.fused.split, module.fused.shards = parts[0].split, shards
     module.fused_sizes = tuple(p.weight.shape[0] for p in parts)

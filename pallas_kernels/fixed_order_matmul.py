@@ -49,7 +49,6 @@ class Plan(NamedTuple):
     block_k: int
     splits: int  # ranges of K summed apart, then added in order
     num_stages: int  # loads in flight per program: more where few programs share the GPU
-    num_warps: int = 4  # 8 gained nothing on the 27B shapes (BENCHMARKS.md)
 
 
 def _divisor(n: int, choices: tuple[int, ...]) -> int | None:
@@ -102,7 +101,7 @@ def fixed_order_matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, int
     rows = _zero_padded(x.reshape(-1, K).astype(w.dtype), 1, BLOCK_K[-1])
     (n, K), N = rows.shape, w.shape[0]
     out_dtype = out_dtype or w.dtype
-    bn, bk, splits, stages, warps = blocks or plan(K, N)
+    bn, bk, splits, stages = blocks or plan(K, N)
     ks = K // splits
     partials = pl.pallas_call(
         functools.partial(_kernel, block_k=bk, n_rows=n),
@@ -110,7 +109,7 @@ def fixed_order_matmul_pallas(x: jax.Array, w: jax.Array, *, out_dtype=None, int
         grid=(-(-n // ROWS), N // bn, splits),
         in_specs=[pl.BlockSpec((ROWS, ks), lambda i, j, s: (i, s)), pl.BlockSpec((bn, ks), lambda i, j, s: (j, s))],
         out_specs=pl.BlockSpec((None, ROWS, bn), lambda i, j, s: (s, i, j)),
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=stages),
         interpret=interpret,
         name="fixed_order_matmul",
     )(rows, w)
