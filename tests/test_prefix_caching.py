@@ -106,6 +106,26 @@ def test_a_hit_gives_the_same_state_and_tokens_bitwise(cached_llm, drafters, nam
     assert outs[0] == outs[1] == outs[2]
 
 
+def test_a_hit_of_three_blocks_restores_a_fresh_run_then_one_in_place(cached_llm):
+    """Three cached blocks come back in two restore calls: two written into a fresh row at once,
+    then one in place after them; the state equals the one with nothing cached, bitwise."""
+    prompt = A + RNG.integers(0, 500, 60).tolist()  # 210 tokens: three full blocks and a partial fourth
+    calls = []
+    run = cached_llm.engine._compiled
+
+    def counted(name, *args, **kwargs):
+        calls.append(name)
+        return run(name, *args, **kwargs)
+
+    cached_llm.engine._compiled = counted
+    try:
+        cold, filled, warm, hits = run_both(cached_llm, lambda: cached_llm.prefill([prompt], GREEDY))
+    finally:
+        del cached_llm.engine._compiled
+    assert hits == (0, 3 * BLOCK) and calls.count("restore_blocks") == 2
+    assert_bitwise(cold, warm)
+
+
 def test_greedy_with_caching_equals_caching_off(tiny_llm, cached_llm):
     """Block-by-block prefill is a different order of the same float32 sums: the same tokens."""
     outs = [[o.outputs[0].token_ids for o in x.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY,
