@@ -17,6 +17,7 @@ import pathlib
 import time
 
 import jax
+import numpy as np
 
 from bench.models import geometry_config, random_model, random_prompts
 from bench.scale import synthetic
@@ -77,6 +78,22 @@ def device_time(llm: LLM, prompts: list[list[int]]) -> dict:
     return out
 
 
+def plain_and_hits(plain: LLM, cached: LLM, prefix: list[int], news, rounds: int, repeats: int) -> dict:
+    """Time to first token of plain prefills of new tokens alone and of hits (prefix + new
+    tokens), in `rounds` alternating rounds of `repeats` runs of each, so that both see the same
+    drift of the machine; runs in a row, since the first run after another program's can pay for
+    XLA re-recording its command buffers on moved buffers. The best and the median of each."""
+    plain_s, hit_s = [], []
+    for _ in range(rounds):
+        plain_s += [ttft_s(plain, next(news)) for _ in range(repeats)]
+        hit_s += [ttft_s(cached, prefix + next(news)) for _ in range(repeats)]
+    out = {"plain_new_only_s": min(plain_s), "plain_new_only_median_s": float(np.median(plain_s)),
+           "hit_s": min(hit_s), "hit_median_s": float(np.median(hit_s)), "runs_each": len(hit_s)}
+    out["hit_over_plain_new_only"] = out["hit_s"] / out["plain_new_only_s"]
+    out["hit_over_plain_new_only_median"] = out["hit_median_s"] / out["plain_new_only_median_s"]
+    return out
+
+
 def program_timeline(events: list[Event]) -> dict[str, dict]:
     """When each program of one prefill ran on the device: its first kernel's start and its last
     kernel's end, in ms from the prefill's first kernel; transfers outside any program are left
@@ -113,7 +130,8 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-gb", type=float, default=24.0, help="prefix_cache_gb")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed")
     ap.add_argument("--decode-context", type=int, default=2048, help="prompt tokens before the timed decode")
-    ap.add_argument("--repeats", type=int, default=3, help="plain prefills and hits timed, the best of each kept")
+    ap.add_argument("--repeats", type=int, default=4, help="plain prefills and hits timed in a row, per round")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of plain prefills and hits, alternating")
     ap.add_argument("--skip-decode", action="store_true", help="time the prefills only")
     ap.add_argument("--profile", action="store_true",
                     help="trace two plain prefills and two hits: device ms per program")
@@ -127,15 +145,12 @@ def main(argv=None) -> None:
     common = dict(model=model, max_model_len=room, max_num_seqs=1)
     plain = LLM(**common)
     cached = LLM(**common, enable_prefix_caching=True, prefix_block_size=args.block, prefix_cache_gb=args.budget_gb)
-    prefix, other, *news = random_prompts(cfg, 14 + 2 * args.repeats, args.prefix, seed=1)
+    prefix, other, *news = random_prompts(cfg, 14 + 2 * args.rounds * args.repeats, args.prefix, seed=1)
     news = iter(n[:args.new] for n in news)  # each hit needs a suffix the store has not seen
     out = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
            "prefix": args.prefix, "new": args.new, "block": args.block}
 
     ttft_s(plain, next(news))  # compiles
-    # Best of a few runs in a row for both: the first run after another program's can pay for
-    # XLA re-recording its command buffers on moved buffers.
-    out["plain_new_only_s"] = min(ttft_s(plain, next(news)) for _ in range(args.repeats))
     try:  # the whole prompt in one pass: attention over it at once may not fit
         ttft_s(plain, other + next(news))
         out["plain_full_s"] = ttft_s(plain, prefix + next(news))
@@ -144,8 +159,7 @@ def main(argv=None) -> None:
     ttft_s(cached, other + next(news))  # compiles every block program on another prefix: a miss,
     ttft_s(cached, other + next(news))  # then a hit
     out["miss_s"] = ttft_s(cached, prefix + next(news))
-    out["hit_s"] = min(ttft_s(cached, prefix + next(news)) for _ in range(args.repeats))
-    out["hit_over_plain_new_only"] = out["hit_s"] / out["plain_new_only_s"]
+    out.update(plain_and_hits(plain, cached, prefix, news, args.rounds, args.repeats))
     out["hit_parts_s"] = hit_parts(cached, prefix + next(news))
     if args.profile:  # where a plain prefill's and a hit's device time goes, program by program
         out["device_ms"] = {"plain": device_time(plain, [next(news) for _ in range(2)]),
