@@ -107,9 +107,9 @@ def test_a_hit_gives_the_same_state_and_tokens_bitwise(cached_llm, drafters, nam
 
 
 def test_a_hit_of_three_blocks_restores_a_fresh_run_then_one_in_place(cached_llm):
-    """Three cached blocks come back in two restore calls: two written into a fresh row at once,
+    """Three cached blocks come back in two restore calls: two into a fresh row made in the first,
     then one in place after them; the state equals the one with nothing cached, bitwise."""
-    prompt = A + RNG.integers(0, 500, 60).tolist()  # 210 tokens: three full blocks and a partial fourth
+    prompt = A + np.random.default_rng(11).integers(0, 500, 60).tolist()  # 210 tokens: 3 full blocks, a partial 4th
     calls = []
     run = cached_llm.engine._compiled
 
