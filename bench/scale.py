@@ -218,9 +218,9 @@ def ttft_rows(model, lengths: list[int]) -> list[dict]:
     return rows
 
 
-def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
+def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int, device: int | None = None) -> dict:
     """GPU time per decode step inside the engine's loop (a speculative step for a speculating
-    `llm`), by category and by kernel."""
+    `llm`), by category and by kernel; of GPU `device` only when given (a tensor-parallel mesh)."""
     per_step = 1 + (llm.engine.plan.k if llm.engine.plan else 0)  # the most tokens a step emits
     params = SamplingParams(max_tokens=per_step * (steps + 2) + 8, temperature=0.0, ignore_eos=True)
     state = llm.prefill(random_prompts(llm.cfg, batch, prompt_len), params)
@@ -231,7 +231,7 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
         holder[0] = llm.decode(holder[0], steps)
         return holder[0].tokens
 
-    events, source, wall_ms = trace_calls(run, (), 1)
+    events, source, wall_ms = trace_calls(run, (), 1, device)
     out = summarize(events, steps)
     out["busy_ms_per_step"] = busy_ns(events) / steps / 1e6
     out["traced_wall_ms_per_step"] = wall_ms / steps

@@ -60,6 +60,7 @@ GPU_STREAM_LINE_PREFIX = "Stream"
 XLA_OPS_LINE = "XLA Ops"
 # First match wins: "quant_matmul" is a Pallas kernel before it is a matmul.
 CATEGORIES = (
+    ("collective", ("nccl", "all-reduce", "all_reduce", "allreduce", "all-gather", "all_gather", "allgather")),
     ("memcpy", ("memcpy", "memset")),
     ("pallas", ("pallas", "mosaic", "gdn_", "quant_matmul")),
     ("matmul", ("dot", "gemm", "gemv", "cublas", "cutlass", "xmma", "matmul", "triton_gemm")),
@@ -143,11 +144,12 @@ def gpu_lines(plane) -> list:
     return streams or [ln for ln in plane.lines if ln.name == XLA_OPS_LINE]
 
 
-def read_events(profile: ProfileData) -> tuple[list[Event], dict]:
+def read_events(profile: ProfileData, device: int | None = None) -> tuple[list[Event], dict]:
     """The device events of a trace and a description of where they were read from (lines,
     HLO modules, distinct run ids where events carry them). Raises if none were found, naming
-    every plane and line seen."""
-    gpu = [p for p in profile.planes if p.name.startswith(GPU_PLANE_PREFIX)]
+    every plane and line seen. device: read that GPU's plane only (None: every GPU's)."""
+    gpu = [p for p in profile.planes if p.name.startswith(GPU_PLANE_PREFIX)
+           and (device is None or p.name == f"{GPU_PLANE_PREFIX}:{device}")]
     if gpu:
         picked, need_hlo_op = [(p, ln) for p in gpu for ln in gpu_lines(p)], False
     else:
@@ -173,9 +175,9 @@ def read_events(profile: ProfileData) -> tuple[list[Event], dict]:
     return events, {"lines": lines, "hlo_modules": sorted(modules), "runs_seen": len(run_ids) or None}
 
 
-def trace_calls(fn, args: tuple, calls: int) -> tuple[list[Event], dict, float]:
-    """Runs fn(*args) `calls` times under the profiler; returns its device events, where they
-    were read from, and the traced wall time per call (ms)."""
+def trace_calls(fn, args: tuple, calls: int, device: int | None = None) -> tuple[list[Event], dict, float]:
+    """Runs fn(*args) `calls` times under the profiler; returns its device events (of GPU `device`
+    only, when given), where they were read from, and the traced wall time per call (ms)."""
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             t = time.perf_counter()
@@ -186,7 +188,7 @@ def trace_calls(fn, args: tuple, calls: int) -> tuple[list[Event], dict, float]:
         paths = list(pathlib.Path(log_dir).rglob("*.xplane.pb"))
         if len(paths) != 1:
             raise RuntimeError(f"expected one .xplane.pb under the trace folder, found {paths}")
-        events, source = read_events(ProfileData.from_file(str(paths[0])))
+        events, source = read_events(ProfileData.from_file(str(paths[0])), device)
     return events, source, wall_ms
 
 
