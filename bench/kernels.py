@@ -378,6 +378,7 @@ def attention_cases(rng, shapes=((256, 16640), (4096, 4096), (16384, 16384))) ->
         f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)  # noqa: E731
         q, k, v = f(1, T, nq, d), f(1, S, nkv, d), f(1, S, nkv, d)
         pos = jnp.arange(S - T, S, dtype=jnp.int32)[None]
+        flop = 4 * nq * d * T * (S - T / 2)  # causal: QK^T and PV over the visible triangle and the slots before it
         xla = lambda q, k, v, pos: attend_masked(q, k, v, jnp.arange(k.shape[1])[None, None] <= pos[:, :, None])  # noqa: E731
         want = jax.jit(lambda *a: xla(*(x.astype(jnp.float32) for x in a[:3]), a[3]))(q, k, v, pos)
         row = {"op": "flash_attention", "T": T, "S": S,
@@ -388,7 +389,7 @@ def attention_cases(rng, shapes=((256, 16640), (4096, 4096), (16384, 16384))) ->
         if use_wgmma_attention(q, S):
             row["rel_err_wgmma"] = max_rel_error([flash_attention_wgmma(q, k, v, pos).astype(jnp.float32)], [want])
             row["wgmma_us"] = call_time_us(flash_attention_wgmma, (q, k, v, pos))
-            row["wgmma_TFLOP_s"] = 4 * nq * d * T * (S - T / 2) / row["wgmma_us"] / 1e6
+            row["wgmma_TFLOP_s"] = flop / row["wgmma_us"] / 1e6
         start = jnp.asarray([S - T], jnp.int32)
         try:
             cudnn = jax.jit(cudnn_attention)
@@ -396,8 +397,7 @@ def attention_cases(rng, shapes=((256, 16640), (4096, 4096), (16384, 16384))) ->
             row["cudnn_us"] = call_time_us(cudnn, (q, k, v, start))
         except Exception as e:  # a cuDNN or device without these shapes: say so and go on
             row["cudnn"] = f"failed: {str(e).splitlines()[0][:200]}"
-        # causal FLOPs: QK^T and PV over the visible half-triangle plus the rectangle before it
-        row["flash_TFLOP_s"] = 4 * nq * d * T * (S - T / 2) / row["flash_us"] / 1e6
+        row["flash_TFLOP_s"] = flop / row["flash_us"] / 1e6
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -194,7 +194,8 @@ def fuse_linears(module: nnx.Module, names: tuple[str, ...]) -> None:
     extra = -sum(w.shape[-2] for w in weights) % BLOCK_N[0] if shards == 1 else 0
     if extra:
         weights.append(jnp.zeros((*weights[0].shape[:-2], extra, weights[0].shape[-1]), weights[0].dtype))
-        biases = biases and [*biases, jnp.zeros(extra, biases[0].dtype)]
+        if biases:
+            biases.append(jnp.zeros(extra, biases[0].dtype))
     bias = group_by_device(biases, shards, axis=-1) if biases else None
     module.fused = Linear.of(group_by_device(weights, shards, axis=-2), bias)
     module.fused.split, module.fused.shards = parts[0].split, shards
