@@ -70,7 +70,8 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                           extensions=[jinja2.ext.loopcontrols])
+                                                           extensions=[jinja2.ext.loopcontrols],
+                                                           loader=jinja2.FunctionLoader(lambda name: None))
         env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals["raise_exception"] = self._raise
@@ -96,15 +97,25 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], extra: dict | None = None) -> str:
         """The prompt text; extra (chat_template_kwargs) may set any variable but `messages`,
-        add_generation_prompt included."""
+        add_generation_prompt included (True or False). A template is self-contained: one that
+        includes or imports another is refused, as is anything else it fails on."""
         if "messages" in (extra or {}):
             raise RequestError("chat_template_kwargs may not set messages; send them as messages",
                                "chat_template_kwargs")
         context = {**self.specials, "add_generation_prompt": True, **(extra or {}), "messages": text_messages(messages)}
+        if not isinstance(context["add_generation_prompt"], bool):
+            raise RequestError(f"add_generation_prompt={context['add_generation_prompt']!r} must be True or False",
+                               "add_generation_prompt")
         try:
             return self.template.render(context)
+        except jinja2.TemplateNotFound as e:
+            raise RequestError(f"the chat template includes or imports {e.name!r}; a chat template must be "
+                               f"self-contained", "chat_template") from None
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template refused these messages: {e}", "messages") from None
+        except Exception as e:  # the template is the caller's code: whatever it raises is a refusal
+            raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                               "messages") from None
 
 
 class ChatTokenizer:
@@ -138,12 +149,31 @@ class ChatTokenizer:
         return self.encode(text) if tokenize else text
 
 
+CONVERSATION_FORMS = "a non-empty list of {role, content} dicts, or a list of such lists"
+
+
+def conversations(messages) -> list[list[dict]]:
+    """`LLM.chat`'s messages as a list of conversations: one conversation (a non-empty list of
+    message dicts) or a non-empty list of them. ValueError naming `messages` otherwise."""
+    def is_conversation(x) -> bool:
+        return isinstance(x, list | tuple) and bool(x) and all(isinstance(m, dict) for m in x)
+
+    if is_conversation(messages):
+        return [list(messages)]
+    if isinstance(messages, list | tuple) and messages and all(map(is_conversation, messages)):
+        return [list(c) for c in messages]
+    raise ValueError(f"messages must be {CONVERSATION_FORMS}, got {str(messages)[:80]}")
+
+
 def text_messages(messages: list[dict]) -> list[dict]:
     """Messages with their content as text, as OpenAI reads them: a string stays, null is empty,
-    a list of parts joins its text parts by newlines. Any other content, or a part that is not
-    text, is a RequestError naming the message."""
+    a list of parts joins its text parts by newlines. A role that is not a string, any other
+    content, or a part that is not text, is a RequestError naming the message."""
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}].role must be a string (system, user, assistant, tool, ...), got "
+                               f"{m.get('role')!r}", "messages")
         content = m.get("content")
         if isinstance(content, list):
             if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)

@@ -29,7 +29,7 @@ from proposers.registry import build_proposer, target_drafter
 from spec_jax.api.batching import assemble_batch, proposer_reference, reference_shape
 from spec_jax.api.engine_args import check_quantization, checkpoint_methods
 from spec_jax.api.engine_args import resolve as resolve_engine_args
-from spec_jax.api.chat import ChatTemplate, ChatTokenizer, cut_at_stop_string
+from spec_jax.api.chat import ChatTemplate, ChatTokenizer, conversations, cut_at_stop_string
 from spec_jax.api.metrics import LifetimeCounters, aggregate_metrics, merge_metrics, request_metrics
 from spec_jax.api.params import (INT32_MAX, CompletionOutput, RequestOutput, SamplingParams, check_int,
                                  fan_out, generation_defaults, logprob_entries)
@@ -479,14 +479,12 @@ class LLM:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of
         them, rendered with the checkpoint's chat template (or `chat_template`, a Jinja source or
         file), then generated. chat_template_kwargs reach the template (Qwen's enable_thinking)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        if not conversations or any(not c or not all(isinstance(m, dict) for m in c) for c in conversations):
-            raise ValueError("messages must be a non-empty list of {role, content} dicts, or a list of such lists")
+        each = conversations(messages)
         template = self._chat_template(chat_template)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict of template variables, got {chat_template_kwargs!r}")
         extra = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
-        texts = [template.render(c, extra) for c in conversations]
+        texts = [template.render(c, extra) for c in each]
         return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
 
     @functools.cached_property

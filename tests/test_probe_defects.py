@@ -1,0 +1,50 @@
+"""Issue 57's offline rows: bad input to `LLM.chat`, prefix caching, `SamplingParams`, the
+`generate` and `bench` commands, converted and GGUF checkpoints and speculative configs is refused
+with a ValueError naming the argument and what it accepts; Ctrl-C ends a run at once."""
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import gguf
+import pytest
+
+from spec_jax import LLM, SamplingParams
+from spec_jax.api.batch_eval import read_requests, run_file
+from spec_jax.api.cli import main
+from spec_jax.engine.spec_config import parse_speculative_config
+from spec_jax.loading import load_model
+from spec_jax.loading.source import CheckpointError
+from spec_jax.writing.gguf_writer import write_gguf
+
+MESSAGE = {"role": "user", "content": "hi"}
+TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}"
+CONVERSATIONS = "messages must be a non-empty list of {role, content} dicts, or a list of such lists"
+
+
+# ----------------------------------------------------------------------------- LLM.chat
+
+
+@pytest.mark.parametrize("messages, template, message", [
+    (None, None, CONVERSATIONS),
+    (5, None, CONVERSATIONS),
+    ([[MESSAGE], 5], None, CONVERSATIONS),
+    (MESSAGE, None, CONVERSATIONS),
+    ([MESSAGE], "{% for i in range(10**9) %}{% endfor %}", "the chat template cannot render these messages: .*Range"),
+    ([MESSAGE], "{% include 'other.jinja' %}", "the chat template includes or imports 'other.jinja'"),
+    ([{"content": "hi"}], TEMPLATE, r"messages\[0\].role must be a string .*got None"),
+    ([{"role": None, "content": "hi"}], TEMPLATE, r"messages\[0\].role must be a string .*got None"),
+    ([MESSAGE, {"role": 5, "content": "hi"}], TEMPLATE, r"messages\[1\].role must be a string .*got 5"),
+])
+def test_chat_refuses_malformed_messages_and_templates_by_name(tiny_llm, messages, template, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_llm.chat(messages, SamplingParams(max_tokens=1), chat_template=template or TEMPLATE, use_tqdm=False)
+
+
+def test_chat_refuses_an_add_generation_prompt_that_is_not_a_bool(tiny_llm):
+    with pytest.raises(ValueError, match="add_generation_prompt='yes' must be True or False"):
+        tiny_llm.chat([MESSAGE], SamplingParams(max_tokens=1), chat_template=TEMPLATE, add_generation_prompt="yes")
