@@ -48,3 +48,27 @@ def test_chat_refuses_malformed_messages_and_templates_by_name(tiny_llm, message
 def test_chat_refuses_an_add_generation_prompt_that_is_not_a_bool(tiny_llm):
     with pytest.raises(ValueError, match="add_generation_prompt='yes' must be True or False"):
         tiny_llm.chat([MESSAGE], SamplingParams(max_tokens=1), chat_template=TEMPLATE, add_generation_prompt="yes")
+
+
+# ----------------------------------------------------------------------------- prefix caching
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(enable_prefix_caching=True, prefix_block_size=2**20),
+     "prefix_block_size=1048576 must be a positive multiple of 64 .*up to 256"),
+    (dict(enable_prefix_caching=True, prefix_block_size=2**26), "prefix_block_size=67108864 must be"),
+    (dict(prefix_block_size=100), "prefix_block_size=100 must be a positive multiple of 64 .*up to 256"),
+    (dict(prefix_block_size=2**20), "prefix_block_size=1048576 must be"),
+    (dict(prefix_block_size=True), "prefix_block_size=True must be"),
+    (dict(enable_prefix_caching=True, prefix_cache_gb=True), "prefix_cache_gb=True must be a positive number"),
+    (dict(prefix_cache_gb=-1), "prefix_cache_gb=-1 must be a positive number"),
+])
+def test_prefix_block_size_is_bounded_by_max_model_len(tiny_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(tiny_dir), dtype="float32", max_model_len=200, **kwargs)
+
+
+def test_a_block_may_reach_max_model_len_rounded_up_to_64(tiny_dir):
+    llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=100, enable_prefix_caching=True,
+              prefix_block_size=128)
+    assert llm.engine.prefix_cache.block_size == 128 and llm.engine.cache_len == 128

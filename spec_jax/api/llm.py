@@ -101,23 +101,28 @@ def check_compiler_options(options: dict | None) -> None:
 DEFAULT_PREFIX_CACHE_GB = 4.0
 
 
-def prefix_caching_settings(enabled: bool, block_size: int | None,
-                            budget_gb: float | None) -> tuple[int, int | None] | None:
+def prefix_caching_settings(enabled: bool, block_size: int | None, budget_gb: float | None,
+                            max_model_len: int) -> tuple[int, int | None] | None:
     """Checked (block size, byte budget or None: not given) of the prefix store, or None when
-    caching is off."""
+    caching is off; the block size and budget are checked either way. A block is a multiple of
+    CHUNK tokens no longer than the cache (max_model_len rounded up to CHUNK): a longer one could
+    never fill, and the caches are sized to hold whole blocks. Default: 256 on the GPU (or the
+    cache's length if shorter), CHUNK elsewhere."""
     if not isinstance(enabled, bool):
         raise ValueError(f"enable_prefix_caching={enabled!r} must be True or False")
+    longest = cache_length(max_model_len)
+    if block_size is None:
+        block_size = min(256, longest) if jax.default_backend() == "gpu" else CHUNK
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not CHUNK <= block_size <= longest \
+            or block_size % CHUNK:
+        raise ValueError(f"prefix_block_size={block_size!r} must be a positive multiple of {CHUNK} (the GDN chunk) "
+                         f"up to {longest} (max_model_len={max_model_len} rounded up to one)")
+    if budget_gb is not None and (isinstance(budget_gb, bool) or not isinstance(budget_gb, int | float)
+                                  or not 0 < budget_gb < 1e6):
+        raise ValueError(f"prefix_cache_gb={budget_gb!r} must be a positive number of gigabytes")
     if not enabled:
         return None
-    if block_size is None:
-        block_size = 256 if jax.default_backend() == "gpu" else CHUNK
-    if not isinstance(block_size, int) or block_size < CHUNK or block_size % CHUNK:
-        raise ValueError(f"prefix_block_size={block_size!r} must be a positive multiple of {CHUNK} (the GDN chunk)")
-    if budget_gb is None:
-        return block_size, None
-    if not isinstance(budget_gb, int | float) or not 0 < budget_gb < 1e6:
-        raise ValueError(f"prefix_cache_gb={budget_gb!r} must be a positive number of gigabytes")
-    return block_size, int(budget_gb * 1e9)
+    return block_size, None if budget_gb is None else int(budget_gb * 1e9)
 
 
 class LLM:
@@ -149,8 +154,9 @@ class LLM:
       enable_prefix_caching: keep prompt blocks so a prompt that starts like an earlier one resumes
         from the deepest cached block (`spec_jax/engine/prefix_cache.py`); output is bitwise the
         same with and without a hit, for plain decoding and every speculative method.
-      prefix_block_size: tokens a cached block (and a prefill pass) holds, a multiple of 64
-        (default 256 on the GPU, where a pass of 256 rows keeps the matmuls compute-bound; 64 elsewhere).
+      prefix_block_size: tokens a cached block (and a prefill pass) holds, a multiple of 64 up to
+        max_model_len rounded up to 64 (default 256 on the GPU, where a pass of 256 rows keeps the
+        matmuls compute-bound; 64 elsewhere).
       prefix_cache_gb: device memory the prefix store may hold (least recently used blocks go first);
         default: what gpu_memory_utilization leaves beside the batch's caches when it is given, else 4.
       prefix_cache_host_gb: host memory for blocks the device evicts (0: none); a hit there is
@@ -220,7 +226,8 @@ class LLM:
             raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
         self.max_model_len = max_model_len
         self.compiler_options = compiler_options
-        self.prefix_caching = prefix_caching_settings(enable_prefix_caching, prefix_block_size, prefix_cache_gb)
+        self.prefix_caching = prefix_caching_settings(enable_prefix_caching, prefix_block_size, prefix_cache_gb,
+                                                      max_model_len)
         if (isinstance(prefix_cache_host_gb, bool) or not isinstance(prefix_cache_host_gb, int | float)
                 or not 0 <= prefix_cache_host_gb < 1e6):
             raise ValueError(f"prefix_cache_host_gb={prefix_cache_host_gb!r} must be a number of gigabytes >= 0")
