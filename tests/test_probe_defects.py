@@ -72,3 +72,25 @@ def test_a_block_may_reach_max_model_len_rounded_up_to_64(tiny_dir):
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=100, enable_prefix_caching=True,
               prefix_block_size=128)
     assert llm.engine.prefix_cache.block_size == 128 and llm.engine.cache_len == 128
+
+
+# ----------------------------------------------------------------------------- SamplingParams
+
+
+FLUSHED = "; as float32, the dtype it is used in, it is 0.0"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=1e39), r"temperature=1e\+39 must be >= 0 .*as a finite float32"),
+    (dict(temperature=10**400), "temperature=.* must be >= 0 .*as a finite float32"),
+    (dict(top_p=1e-50), r"top_p=1e-50 must be in \(0, 1\].*" + FLUSHED),
+    (dict(repetition_penalty=1e-300), r"repetition_penalty=1e-300 must be > 0.*" + FLUSHED),
+    (dict(repetition_penalty=1e-40), r"repetition_penalty=1e-40 must be > 0.*" + FLUSHED),
+    (dict(repetition_penalty=1e308), "repetition_penalty=1e.308 must be > 0 .*as a finite float32"),
+    (dict(logit_bias={3: 1e39}), r"logit_bias\[3\]=1e\+39 must be a finite number.*as a finite float32"),
+    (dict(n=10**5000), "n=an integer of 16610 bits must be a positive number"),
+])
+def test_sampling_params_are_checked_as_the_float32_the_device_uses(kwargs, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        SamplingParams(**kwargs)
+    assert type(refused.value) is ValueError

@@ -187,15 +187,47 @@ def check_int(name: str, value, lo: int, hi: int, rule: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     if not lo <= value <= hi:
-        raise ValueError(f"{name}={value} {rule}")
+        raise ValueError(f"{name}={shown(value)} {rule}")
+
+
+def shown(value: int) -> str:
+    """An integer as an error message shows it: its digits, or its size where Python will not print
+    it (over 4300 digits)."""
+    try:
+        return str(value)
+    except ValueError:
+        return f"an integer of {int(value).bit_length()} bits"
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+
+
+def as_float32(value) -> float | None:
+    """A real number as the device holds it: rounded to float32, subnormals flushed to zero (as
+    GPUs do); None where it is not finite there."""
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond float64
+        return None
+    if not math.isfinite(x) or abs(x) > FLOAT32_MAX:
+        return None
+    x = float(np.float32(x))
+    return 0.0 if abs(x) < FLOAT32_TINY else x
 
 
 def check_real(name: str, value, rule: str, ok) -> None:
-    """ValueError naming `name` unless value is a finite real number (not a bool) for which ok(value)."""
+    """ValueError naming `name` unless value is a real number (not a bool) that is finite as a
+    float32 (`as_float32`: the dtype every sampling field is used in) and for which ok(that float32)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or not ok(value):
-        raise ValueError(f"{name}={value} {rule}")
+    x = as_float32(value)
+    if x is None:
+        raise ValueError(f"{name}={shown(value)} {rule}, as a finite float32 (the dtype it is used in: "
+                         f"|x| <= {FLOAT32_MAX:.3g})")
+    if not ok(x):
+        held = f"; as float32, the dtype it is used in, it is {x}" if x != value else ""
+        raise ValueError(f"{name}={shown(value)} {rule}{held}")
 
 
 @dataclasses.dataclass
