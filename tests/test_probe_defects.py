@@ -94,3 +94,40 @@ def test_sampling_params_are_checked_as_the_float32_the_device_uses(kwargs, mess
     with pytest.raises(ValueError, match=message) as refused:
         SamplingParams(**kwargs)
     assert type(refused.value) is ValueError
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def interrupt(argv: list[str]) -> tuple[int, str]:
+    """Run `spec-jax argv` until it has loaded its model, send SIGINT two seconds later, while it
+    compiles or runs the device loop: (exit status, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "spec_jax.api.cli", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    err = ""
+    while "loaded " not in err:
+        line = proc.stderr.readline()
+        assert line, f"exited before loading: {err}"
+        err += line
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    try:
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    return proc.returncode, err + rest
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_ctrl_c_ends_a_run_at_once_with_status_130(tiny_dir, tmp_path, command):
+    common = ["--model", str(tiny_dir), "--dtype", "float32", "--max-model-len", "1024"]
+    if command == "generate":
+        argv = ["generate", *common, "--prompt-token-ids", "1,2,3", "--max-tokens", "1000", "--ignore-eos"]
+    else:
+        (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt_token_ids": [i, 2, 3], "max_tokens": 1000,
+                                                              "ignore_eos": True}) + "\n" for i in range(8)))
+        argv = ["bench", *common, "--input", str(tmp_path / "p.jsonl"), "--no-warmup"]
+    status, err = interrupt(argv)
+    assert status == 130, err
+    assert "Traceback" not in err and "terminate called" not in err, err
+    assert "interrupted" in err

@@ -10,7 +10,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import threading
 import time
 
 
@@ -80,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template file, for checkpoints whose tokenizer_config.json has none")
-    serve.add_argument("--steps-per-chunk", type=int, default=4, help="decode steps per device call between streams")
+    serve.add_argument("--steps-per-chunk", type=int, default=4,
+                       help="decode steps per device call between streams, 1 to --max-model-len (default 4)")
     bench = sub.add_parser("bench", help="batch eval: a JSONL of prompts through the jitted engine, with metrics")
     add_model_args(bench)
     bench.add_argument("--input", required=True, help='JSONL, one {"prompt": ...} or {"prompt_token_ids": [...]} a line')
@@ -213,7 +218,11 @@ def serve(args) -> None:
 
     if args.enable_prefix_caching is None:  # on by default in the server, as in vLLM
         args.enable_prefix_caching = True
-    server = Server(load_llm(args), served_model_name=args.served_model_name, chat_template=args.chat_template,
+    llm = load_llm(args)
+    if not 1 <= args.steps_per_chunk <= llm.max_model_len:
+        raise ValueError(f"--steps-per-chunk {args.steps_per_chunk} must be 1 to {llm.max_model_len} (the "
+                         f"--max-model-len: no row runs more steps)")
+    server = Server(llm, served_model_name=args.served_model_name, chat_template=args.chat_template,
                     steps_per_chunk=args.steps_per_chunk)
     print(f"serving {server.name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(build_app(server), host=args.host, port=args.port,
@@ -235,10 +244,44 @@ def convert(args) -> None:
     print(f"converted {args.model} to {out} in {time.perf_counter() - t0:.1f}s; load it with --model {out}")
 
 
+@contextlib.contextmanager
+def exit_on_interrupt():
+    """Within it, Ctrl-C ends the process at once with status 130 (128 + SIGINT). The main thread
+    may wait in XLA for many seconds, and Python runs a signal handler only once it is back in the
+    interpreter (then XLA's threads abort the exit), so a thread watching the signal's wakeup fd
+    leaves for it, with os._exit. Nothing changes outside the main thread (which alone may set
+    signal handlers) or in a process started with SIGINT ignored (a background job)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: None)  # the watcher acts on it
+    wakeup = signal.set_wakeup_fd(write)
+    threading.Thread(target=exit_when_interrupted, args=(read,), daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(wakeup)
+        signal.signal(signal.SIGINT, handler)
+        os.close(write)  # the watcher reads the end of the pipe and returns
+
+
+def exit_when_interrupted(fd: int) -> None:
+    """Read signal numbers from the wakeup fd until SIGINT (then exit 130) or its end."""
+    while signals := os.read(fd, 64):
+        if signal.SIGINT in signals:
+            os.write(2, b"\ninterrupted\n")
+            os._exit(130)
+    os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    command = {"generate": generate, "serve": serve, "bench": bench, "convert": convert}[args.command]
     try:
-        {"generate": generate, "serve": serve, "bench": bench, "convert": convert}[args.command](args)
+        with exit_on_interrupt() if args.command in ("generate", "bench") else contextlib.nullcontext():
+            command(args)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
