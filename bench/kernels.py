@@ -3,7 +3,7 @@ time against XLA's version of the same op: inside one jitted fori_loop or as bac
 calls, and (quantized matmuls, chunked prefill) as GPU time from a profiler trace, which is what
 the comparisons with XLA's dots and flash-linear-attention's kernels use.
 
-    python -m bench.kernels [--only gdn|quant|chunked|experts|attention] --json out.jsonl
+    python -m bench.kernels [--only gdn|quant|chunked|attention] --json out.jsonl
 
 GDN recurrent (decode T = 1, verify T = k + 1 with every state kept) at Qwen3.5 head layouts
 (16 key heads; 16 / 32 / 48 value heads; dk = dv = 128). Bytes counted: q, k, v, gates read once,
@@ -13,10 +13,7 @@ Flash attention (prefill) at the 27B attention shape (24 query / 4 key heads, d 
 block of T queries at the end of a context of S slots (a prefix-cache block pass: 256 after 16k)
 and a whole prompt (T = S), against XLA's masked softmax (`attend_masked`).
 
-Routed experts (decode and verify sizes of 1 to 8 tokens) at Qwen3.6-35B-A3B dims (256 experts of
-hidden 2048, inner 512, 8 chosen): the Pallas kernels' tilings against the gathering reference and
-the sorted grouped matmul, each call on fresh expert ids so the chosen weights come from HBM.
-Bytes counted: each distinct chosen expert's weights once.
+The routed-expert kernels have their own sweep: `bench.experts`.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.layers import attend_masked
-from pallas_kernels import expert_matmul
 from pallas_kernels.flash_attention import flash_attention_pallas
 from pallas_kernels.flash_attention_wgmma import flash_attention_wgmma, use_wgmma_attention
 from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
@@ -403,40 +399,10 @@ def attention_cases(rng, shapes=((256, 16640), (4096, 4096), (16384, 16384))) ->
     return rows
 
 
-def expert_cases(rng, ceiling, tokens=(1, 8), E=256, H=2048, inner=512, k=8, id_sets=8) -> list[dict]:
-    key_gu, key_down = jax.random.split(jax.random.key(0))  # made on the device: 1.6 GB
-    gate_up = jax.random.normal(key_gu, (E, 2 * inner, H), jnp.bfloat16) / np.sqrt(H).astype(np.float32)
-    down = jax.random.normal(key_down, (E, H, inner), jnp.bfloat16) / np.sqrt(inner).astype(np.float32)
-    expert_bytes = (gate_up.nbytes + down.nbytes) // E
-    tilings = [expert_matmul.Tiling(n, b, w) for n, b, w in ((16, 256, 4), (32, 256, 4), (16, 512, 4))]
-    rows = []
-    for N in tokens:
-        x = jnp.asarray(rng.normal(size=(N, H)), jnp.bfloat16)
-        id_list = [jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(N)]), jnp.int32)
-                   for _ in range(id_sets)]
-        w = jnp.asarray(rng.dirichlet(np.ones(k), size=N), jnp.bfloat16)
-        nbytes = np.mean([len(np.unique(np.asarray(i))) for i in id_list]) * expert_bytes
-        want = expert_matmul.expert_swiglu_reference(x, gate_up, down, id_list[0], w)
-        runs = {"gather (XLA)": expert_matmul.expert_swiglu_reference,
-                "ragged_dot (XLA)": expert_matmul.expert_swiglu_grouped}
-        runs |= {f"kernel {t.block_n}x{t.block_k}/{t.num_warps}w":
-                 functools.partial(expert_matmul.expert_swiglu_pallas, tiling=t) for t in tilings}
-        for name, fn in runs.items():
-            err = max_rel_error([fn(x, gate_up, down, id_list[0], w)], [want])
-            us, kernels = device_us(lambda ids, fn=fn, x=x, w=w: [fn(x, gate_up, down, i, w) for i in ids], id_list)
-            us /= id_sets
-            row = {"op": "experts", "tokens": N, "pairs": N * k, "run": name, "max_rel_err": err, "us": round(us, 1),
-                   "GB_s": round(nbytes / us / 1e3), "of_ceiling": round(nbytes / us / 1e3 / ceiling, 3),
-                   "kernels": kernels}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", choices=["gdn", "quant", "chunked", "experts", "attention"], default=None)
+    ap.add_argument("--only", choices=["gdn", "quant", "chunked", "attention"], default=None)
     ap.add_argument("--tokens", type=int, nargs="+", default=[130, 4096, 16384], help="chunked prefill lengths")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64], help="quantized matmul activation rows")
     ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS), help="quantized weight formats")
@@ -445,13 +411,11 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    if args.only in (None, "quant", "experts"):
+    if args.only in (None, "quant"):
         ceiling = hbm_ceiling_GB_s()
         print(json.dumps({"hbm_ceiling_GB_s": ceiling}), flush=True)
     if args.only in (None, "quant"):
         rows += quant_cases(rng, ceiling, args.rows, tuple(args.shape), args.formats)
-    if args.only in (None, "experts"):
-        rows += expert_cases(rng, ceiling)
     for nv in (16, 32, 48) if args.only in (None, "gdn") else ():
         for B in (1, 8):
             for T, keep in ((1, False), (2, True), (4, True), (4, False)):

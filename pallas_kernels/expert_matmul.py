@@ -12,10 +12,10 @@ channels) loads the expert id, then streams its [BN, BK] weight tiles against th
 row in float32 (a GEMV: decode moves weights, not FLOPs). The SwiGLU between the two products is
 applied as the down kernel loads its input, and the routing weight as it stores its output.
 
-`expert_swiglu` is the dispatcher the model calls. Up to `KERNEL_MAX_PAIRS` pairs (decode and
-verify): the kernels on a GPU, the gathering reference elsewhere. Past it (prefill) pairs repeat
-experts often enough that `expert_swiglu_grouped`, a grouped matmul over the pairs sorted by
-expert, reads less: each expert once.
+`expert_swiglu` is the dispatcher the model calls. Up to `GEMV_MAX_PAIRS` pairs (decode of a few
+rows) these kernels on a GPU, the gathering reference elsewhere. Past it pairs repeat experts often
+enough that the grouped matmuls of `expert_grouped` read less (each expert once per tile of its
+pairs): the Triton kernels on a GPU, their plain-JAX form elsewhere.
 """
 
 import dataclasses
@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.expert_grouped import GroupTiling, expert_swiglu_grouped_pallas, expert_swiglu_tiled
 from pallas_kernels.tensor_parallel import TP, on_axis, per_device, tp_size
 
 
@@ -45,23 +46,6 @@ def expert_swiglu_reference(x: jax.Array, gate_up: jax.Array, down: jax.Array, i
     inner = jax.nn.silu(gu[..., :half]) * gu[..., half:]
     out = jnp.einsum("nki,nkhi->nkh", inner, down[ids])
     return jnp.einsum("nkh,nk->nh", out, weights.astype(out.dtype))
-
-
-def expert_swiglu_grouped(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array,
-                          weights: jax.Array) -> jax.Array:
-    """Routed experts as grouped matmuls over the (token, expert) pairs sorted by expert; same
-    arguments and result as `expert_swiglu_reference`."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat)
-    tokens = x[order // k]
-    sizes = jnp.bincount(flat, length=gate_up.shape[0]).astype(jnp.int32)
-    gu = jax.lax.ragged_dot(tokens, jnp.swapaxes(gate_up, 1, 2), sizes)
-    half = gu.shape[-1] // 2
-    inner = jax.nn.silu(gu[:, :half]) * gu[:, half:]
-    out = jax.lax.ragged_dot(inner, jnp.swapaxes(down, 1, 2), sizes)
-    out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
-    return jnp.zeros_like(x).at[order // k].add(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +126,8 @@ def expert_swiglu_pallas(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids:
     return out.reshape(N, k, H).sum(axis=1).astype(x.dtype)
 
 
-# Decode and verify sizes: batch 8 decode is 64 pairs at k = 8.
-KERNEL_MAX_PAIRS = 64
+# Pairs up to which one GEMV per pair beats the grouped tiles (bench.experts).
+GEMV_MAX_PAIRS = 16
 
 
 def kernel_fits(gate_up: jax.Array, down: jax.Array, tiling: Tiling = Tiling()) -> bool:
@@ -171,9 +155,20 @@ def expert_swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Ar
         x, gate_up, down, ids, weights)
 
 
+def group_tiling(pairs: int) -> GroupTiling:
+    """Grouped tiles for `pairs` pairs: short tiles where an expert gets few pairs (batch decode,
+    verify), taller ones where it gets many (prefill: a 1,024-token prompt gives 32 a expert)."""
+    block_m = 16 if pairs <= 512 else 32 if pairs <= 4096 else 64
+    return GroupTiling(block_m=block_m)
+
+
 def _expert_swiglu_local(x, gate_up, down, ids, weights):
-    if ids.size > KERNEL_MAX_PAIRS:
-        return expert_swiglu_grouped(x, gate_up, down, ids, weights)
-    if jax.default_backend() == "gpu" and kernel_fits(gate_up, down):
-        return expert_swiglu_pallas(x, gate_up, down, ids, weights)
-    return expert_swiglu_reference(x, gate_up, down, ids, weights)
+    on_gpu = jax.default_backend() == "gpu"
+    if ids.size <= GEMV_MAX_PAIRS:
+        if on_gpu and kernel_fits(gate_up, down):
+            return expert_swiglu_pallas(x, gate_up, down, ids, weights)
+        return expert_swiglu_reference(x, gate_up, down, ids, weights)
+    tiling = group_tiling(ids.size)
+    if on_gpu and tiling.fits(x.shape[1], down.shape[2]):
+        return expert_swiglu_grouped_pallas(x, gate_up, down, ids, weights, tiling=tiling)
+    return expert_swiglu_tiled(x, gate_up, down, ids, weights, block_m=tiling.block_m)
