@@ -131,10 +131,17 @@ def param_bytes(model: Qwen3_5Model) -> int:
     return nbytes(nnx.state(model))
 
 
-def streamed_bytes(model: Qwen3_5Model) -> int:
-    """Weight bytes one decode step of one token must read: every decoder layer and the lm_head;
-    of an untied embedding only one row (not counted); of the routed experts the chosen
-    num_experts_per_tok / num_experts; not the MTP head."""
+def chosen_experts(cfg: Qwen3_5Config, tokens: int) -> float:
+    """Expected distinct experts a layer reads for `tokens` tokens each choosing num_experts_per_tok
+    of num_experts uniformly (a random model's router is near uniform): E (1 - (1 - k/E)^tokens)."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    return float(k) if tokens == 1 else E * (1 - (1 - k / E) ** tokens)
+
+
+def streamed_bytes(model: Qwen3_5Model, tokens: int = 1) -> int:
+    """Weight bytes one decode step of `tokens` tokens (a batch of rows) must read: every decoder
+    layer and the lm_head; of an untied embedding only one row (not counted); of the routed experts
+    the share chosen (`chosen_experts`); not the MTP head."""
     cfg = model.cfg
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]:
@@ -143,9 +150,27 @@ def streamed_bytes(model: Qwen3_5Model) -> int:
         if keys[0] == "mtp" or (keys[0] == "embed_tokens" and not cfg.tie_word_embeddings):
             continue
         if "experts" in keys:
-            size = size * cfg.num_experts_per_tok // cfg.num_experts
+            size = int(size * chosen_experts(cfg, tokens) / cfg.num_experts)
         total += size
     return total
+
+
+def active_params(model: Qwen3_5Model) -> int:
+    """Decoder-layer parameters one token is multiplied by: all but the unchosen routed experts."""
+    cfg = model.cfg
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if keys[0] in ("layers", "groups"):
+            total += leaf.size * cfg.num_experts_per_tok // cfg.num_experts if "experts" in keys else leaf.size
+    return total
+
+
+def expert_bytes(model: Qwen3_5Model) -> int:
+    """Bytes of every routed expert of every decoder layer."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]
+    return sum(leaf.size * leaf.dtype.itemsize for path, leaf in flat
+               if "experts" in [str(getattr(k, "key", k)) for k in path] and str(path[0].key) != "mtp")
 
 
 def random_prompts(cfg: Qwen3_5Config, batch: int, length: int, seed: int = 0) -> list[list[int]]:

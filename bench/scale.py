@@ -8,11 +8,13 @@ the device (`bench.models`), driven through `LLM.generate` as a user would.
     python -m bench.scale --geometry 27b --batch 1 --methods mtp1 dflash # the method table (see spec_rows)
     python -m bench.scale --geometry 27b --batch --first-token --ttft 4096 16384   # compile time, prefill
 
-Per batch size it prints the time per decode step inside the engine's own on-device loop
-(second run of a 128-token prompt, `--new-tokens` greedy tokens), the weight bytes one step must
-read (`bench.models.streamed_bytes`) over that time, and the share of the HBM ceiling that is
-(4.3 TB/s, the H200's measured device-to-device copy, DESIGN.md). `--profile` traces `--steps`
-steps of `LLM.decode` and sums GPU time per kernel category and per kernel.
+It first measures the device's copy rate and bf16 matmul rate (`bench.common.Ceilings`) and
+states every floor against those. Per batch size it prints the time per decode step inside the
+engine's own on-device loop (second run of a 128-token prompt, `--new-tokens` greedy tokens), the
+weight bytes one step must read (`bench.models.streamed_bytes`: of a MoE model the experts a
+batch of that many tokens chooses) over that time, the share of the copy rate that is, and the
+device's peak memory so far. `--profile` traces `--steps` steps of `LLM.decode` and sums GPU time
+per kernel category and per kernel. The JAX allocator takes `--gpu-memory-utilization` of the card.
 """
 
 from __future__ import annotations
@@ -31,16 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.models import (GEOMETRIES, geometry_config, nbytes, random_drafter, random_model, random_prompts,
-                          streamed_bytes)
+from bench.common import Ceilings, peak_memory_GB
+from bench.models import (GEOMETRIES, active_params, expert_bytes, geometry_config, nbytes, random_drafter,
+                          random_model, random_prompts, streamed_bytes)
 from bench.step_profile import busy_ns, summarize, trace_calls
 from models import qwen3_5
 from pallas_kernels.quant_formats import FORMATS
 from proposers.ngram import NgramProposer
 from spec_jax import LLM, SamplingParams
+from spec_jax.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, claim_device_memory
 
-HBM_CEILING = 4.3e12  # B/s, H200 device-to-device copy measured here (DESIGN.md)
-MATMUL_CEILING = 660e12  # FLOP/s, H200 bf16 8192^3 matmul measured here (DESIGN.md)
 LAYOUTS = ("decode", "unfused", "rolled")
 
 
@@ -54,8 +56,9 @@ def use_layout(layout: str) -> None:
         qwen3_5.Qwen3_5Model.use_decode_layout = lambda self: None
 
 
-def decode_rows(llm: LLM, batches, prompt_len: int, new_tokens: int, wbytes: int) -> list[dict]:
-    """Plain greedy generation per batch size: the first run compiles, the second is timed."""
+def decode_rows(llm: LLM, batches, prompt_len: int, new_tokens: int, step_bytes, ceilings: Ceilings) -> list[dict]:
+    """Plain greedy generation per batch size: the first run compiles, the second is timed against
+    the floor of reading `step_bytes(batch)` bytes at the measured copy rate."""
     rows = []
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for B in batches:
@@ -65,9 +68,11 @@ def decode_rows(llm: LLM, batches, prompt_len: int, new_tokens: int, wbytes: int
         first_s = time.perf_counter() - t
         m = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)[0].metrics
         step_s = m["decode_s"] / (new_tokens - 1)
+        wbytes = step_bytes(B)
+        floor = ceilings.floor_s(wbytes)
         rows.append({"batch": B, "step_ms": 1e3 * step_s, "prefill_ms": 1e3 * m["prefill_s"],
-                     "weight_TB_s": wbytes / step_s / 1e12, "of_ceiling": wbytes / step_s / HBM_CEILING,
-                     "floor_ms": 1e3 * wbytes / HBM_CEILING, "first_run_s": first_s})
+                     "weight_GB": wbytes / 1e9, "weight_TB_s": wbytes / step_s / 1e12, "of_floor": floor / step_s,
+                     "floor_ms": 1e3 * floor, "first_run_s": first_s, "peak_memory_GB": peak_memory_GB()})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -197,13 +202,12 @@ def first_token(llm: LLM, prompt_len: int) -> dict:
             PROCESS_START}
 
 
-def ttft_rows(model, lengths: list[int]) -> list[dict]:
-    """Prefill time of one prompt of each length (second run), against the compute floor
-    2 x decoder-layer params x tokens at the measured bf16 matmul rate (DESIGN.md): prefill runs
-    every layer over every token, the lm_head over the last one only. Its own LLM, so the decode
-    figures keep their short cache."""
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]
-    params_count = sum(x.size for path, x in flat if path[0].key in ("layers", "groups"))
+def ttft_rows(model, lengths: list[int], ceilings: Ceilings) -> list[dict]:
+    """Prefill time of one prompt of each length (second run), against its floor: the larger of
+    2 x active decoder-layer params x tokens at the measured matmul rate (prefill runs every layer
+    over every token, the lm_head over the last one only) and, of a MoE model, every expert's bytes
+    read once at the measured copy rate. Its own LLM, so the decode figures keep their short cache."""
+    params_count, experts = active_params(model), expert_bytes(model)
     llm = LLM(model=model, max_model_len=max(lengths) + 64, max_num_seqs=1)
     rows = []
     for n in lengths:
@@ -211,9 +215,9 @@ def ttft_rows(model, lengths: list[int]) -> list[dict]:
         one = SamplingParams(max_tokens=1, temperature=0.0)
         llm.generate(prompt_token_ids=prompts, sampling_params=one, use_tqdm=False)
         m = llm.generate(prompt_token_ids=prompts, sampling_params=one, use_tqdm=False)[0].metrics
-        floor = 2 * params_count * n / MATMUL_CEILING
+        floor = ceilings.floor_s(experts, 2 * params_count * n)
         rows.append({"prompt_tokens": n, "ttft_s": m["prefill_s"], "floor_s": floor,
-                     "of_floor": floor / m["prefill_s"]})
+                     "of_floor": floor / m["prefill_s"], "peak_memory_GB": peak_memory_GB()})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -288,24 +292,35 @@ def main() -> None:
                          "the persistent compilation cache; SPEC_JAX_XLA_CACHE names its folder)")
     ap.add_argument("--ttft", type=int, nargs="*", default=[], help="prefill times at these prompt lengths")
     ap.add_argument("--json", default=None, help="write every result here (rewritten after each method)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="cache length of the decode and method LLM (default: what the prompt and tokens need)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                    help="the share of the card the JAX allocator may take (vLLM's option of that name)")
     args = ap.parse_args()
 
+    claim_device_memory(args.gpu_memory_utilization)  # before the weights start the backend
+    ceilings = Ceilings.measure()
+    print(ceilings.summary(), flush=True)
     use_layout(args.layout)
     cfg = geometry_config(args.geometry, args.layers)
     t = time.perf_counter()
     model = random_model(cfg, quantization=args.quantization)
     result = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "layout": args.layout,
-              "device": jax.devices()[0].device_kind, "weights_made_s": time.perf_counter() - t}
+              "device": jax.devices()[0].device_kind, "ceilings": vars(ceilings),
+              "weights_made_s": time.perf_counter() - t}
     save = lambda: args.json and pathlib.Path(args.json).write_text(json.dumps(result, indent=1))  # noqa: E731
-    llm = LLM(model=model, max_model_len=args.prompt_len + max(args.new_tokens, args.spec_new_tokens) + 64,
+    llm = LLM(model=model, max_model_len=args.max_model_len or args.prompt_len + max(args.new_tokens,
+                                                                                   args.spec_new_tokens) + 64,
               max_num_seqs=max(args.batch, default=1))
     if args.first_token:
         result["first_token"] = first_token(llm, args.prompt_len)
         print(json.dumps(result["first_token"]), flush=True)
     result["streamed_bytes"] = wbytes = streamed_bytes(model)
     print(f"{args.geometry}, {cfg.num_hidden_layers} layers, layout {args.layout}: {wbytes / 1e9:.2f} GB read a "
-          f"step, floor {1e3 * wbytes / HBM_CEILING:.2f} ms at {HBM_CEILING / 1e12:.1f} TB/s", flush=True)
-    result["decode"] = decode_rows(llm, args.batch, args.prompt_len, args.new_tokens, wbytes) if args.batch else []
+          f"step of one row, floor {1e3 * ceilings.floor_s(wbytes):.2f} ms", flush=True)
+    step_bytes = lambda batch: streamed_bytes(model, batch)  # noqa: E731
+    result["decode"] = decode_rows(llm, args.batch, args.prompt_len, args.new_tokens, step_bytes, ceilings) \
+        if args.batch else []
     if args.profile:
         result["profile"] = profile_decode(llm, args.batch[0], args.prompt_len, args.steps)
         print_profile(result["profile"])
@@ -342,7 +357,7 @@ def main() -> None:
     print_methods(result)
     if args.ttft:
         del llm
-        result["ttft"] = ttft_rows(model, args.ttft)
+        result["ttft"] = ttft_rows(model, args.ttft, ceilings)
         save()
 
 

@@ -1,5 +1,5 @@
 """Tensor parallelism at the scale users run it: per tensor-parallel size, plain decode at each
-batch size against each device's share of the weight bytes over its HBM ceiling, where one
+batch size against each device's share of the weight bytes over its measured copy rate, where one
 device's decode-step GPU time goes (all-reduces included, `--profile`), MTP k=1 and DFlash at a
 controlled acceptance (speedup over the same size's plain decode and over TP = 1's), and greedy
 output on `--prompts` prompts against TP = 1's (a divergence reported with the logit gap of its
@@ -25,7 +25,8 @@ import jax
 
 from bench.batch_invariant import first_divergence, greedy
 from bench.models import GEOMETRIES, geometry_config, random_drafter, random_model, random_prompts, streamed_bytes
-from bench.scale import DRAFTER_BLOCK, HBM_CEILING, METHODS, decode_rows, profile_decode, spec_rows, synthetic
+from bench.common import Ceilings
+from bench.scale import DRAFTER_BLOCK, METHODS, decode_rows, profile_decode, spec_rows, synthetic
 from spec_jax import LLM
 
 DEFAULT_METHODS = ("mtp1", "dflash")
@@ -101,7 +102,7 @@ def equality(llm: LLM, prompts, tokens, reference) -> dict:
     return out
 
 
-def run_size(tp: int, cfg, args, prompts, reference, tp1_plain_ms: dict) -> dict:
+def run_size(tp: int, cfg, args, prompts, reference, tp1_plain_ms: dict, ceilings: Ceilings) -> dict:
     """One tensor-parallel size, its model and LLM freed when it returns."""
     model = random_model(cfg, args.dtype)
     weight_bytes = streamed_bytes(model)
@@ -110,10 +111,11 @@ def run_size(tp: int, cfg, args, prompts, reference, tp1_plain_ms: dict) -> dict
                                                                  args.equal_tokens) + 64,
               max_num_seqs=max([*args.batch, args.prompts]), tensor_parallel_size=tp)
     out = {"tp": tp, "weight_bytes": weight_bytes, "per_device_bytes": share,
-           "per_device_floor_ms": 1e3 * share / HBM_CEILING}
+           "per_device_floor_ms": 1e3 * ceilings.floor_s(share)}
     print(f"TP = {tp}: {weight_bytes / 1e9:.2f} GB read a step, {share / 1e9:.2f} GB a device, floor "
-          f"{out['per_device_floor_ms']:.2f} ms at {HBM_CEILING / 1e12:.1f} TB/s", flush=True)
-    out["decode"] = decode_rows(llm, args.batch, args.prompt_len, args.new_tokens, share)
+          f"{out['per_device_floor_ms']:.2f} ms ({ceilings.summary()})", flush=True)
+    out["decode"] = decode_rows(llm, args.batch, args.prompt_len, args.new_tokens,
+                                lambda batch: streamed_bytes(model, batch) / tp, ceilings)
     if args.profile:
         out["profile"] = profile_rows(llm, args)
     plain_ms = {row["batch"]: row["step_ms"] for row in out["decode"]}
@@ -125,14 +127,14 @@ def run_size(tp: int, cfg, args, prompts, reference, tp1_plain_ms: dict) -> dict
 
 def print_table(sizes: list[dict]) -> None:
     """The BENCHMARKS table: plain decode and each method per size and batch."""
-    print("| TP | batch | plain ms/step | per-device floor | of ceiling | all-reduce ms/step |")
+    print("| TP | batch | plain ms/step | per-device floor | of floor | all-reduce ms/step |")
     print("|---|---|---|---|---|---|")
     for size in sizes:
         collective = {r["batch"]: r["collective_ms"] for r in size.get("profile", [])}
         for row in size["decode"]:
             c = collective.get(row["batch"])
             print(f"| {size['tp']} | {row['batch']} | {row['step_ms']:.2f} | {row['floor_ms']:.2f} | "
-                  f"{row['of_ceiling']:.0%} | {'-' if c is None else f'{c:.2f}'} |")
+                  f"{row['of_floor']:.0%} | {'-' if c is None else f'{c:.2f}'} |")
     print("\n| TP | method | batch | acceptance | tok/s | over own plain | over TP = 1 plain | c |")
     print("|---|---|---|---|---|---|---|---|")
     for size in sizes:
@@ -149,8 +151,10 @@ def main(argv=None) -> None:
     result = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "dtype": args.dtype,
               "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "sizes": []}
     reference, tp1_plain_ms = None, {}
+    ceilings = Ceilings.measure()
+    result["ceilings"] = vars(ceilings)
     for tp in args.tp:
-        size = run_size(tp, cfg, args, prompts, reference, tp1_plain_ms)
+        size = run_size(tp, cfg, args, prompts, reference, tp1_plain_ms, ceilings)
         gc.collect()  # the size's arrays go before the next size draws its model
         if tp == 1:
             if "greedy" in size:

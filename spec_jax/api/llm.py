@@ -36,6 +36,7 @@ from spec_jax.api.params import (INT32_MAX, CompletionOutput, RequestOutput, Sam
 from spec_jax.default_model import default_model_dir
 from spec_jax.engine.sampling import MAX_BAD_WORD_LENGTH, MAX_BAD_WORDS
 from spec_jax.engine.prefix_cache import PrefixCache
+from spec_jax.engine.memory import claim_device_memory
 from spec_jax.engine.spec_config import NEEDS_MODEL, parse_speculative_config
 from spec_jax.engine.steps import DecodeState, Engine, SpecPlan, cache_length, enable_compilation_cache
 from spec_jax.loading import load_model
@@ -179,6 +180,7 @@ class LLM:
                  prefix_block_size: int | None = None, prefix_cache_gb: float | None = None,
                  prefix_cache_host_gb: float = 0.0, batch_invariant: bool = False, **kwargs):
         engine_args = resolve_engine_args(kwargs)
+        claim_device_memory(engine_args.gpu_memory_utilization)  # before anything starts the backend
         # make_mesh checks any other value (1.0 or True included) against the devices there are
         self.mesh = None if type(tensor_parallel_size) is int and tensor_parallel_size == 1 else \
             make_mesh(tensor_parallel_size)
@@ -238,6 +240,7 @@ class LLM:
         self._set_speculation(speculative_config, rollback, max_num_seqs, batch_buckets)
         if engine_args.gpu_memory_utilization is not None:
             self._size_batch(engine_args.gpu_memory_utilization, explicit=asked_seqs is not None)
+        self._log_memory()
         self.metrics: dict = {}
         if tokenizer:
             tokenizer = local_checkpoint(tokenizer, "tokenizer")  # a file, a directory, or a cached repo id
@@ -324,6 +327,19 @@ class LLM:
             self.prefix_caching = (self.prefix_caching[0], left)
             self.engine.prefix_cache.budget_bytes = left
             log.info("gpu_memory_utilization=%s: %.2f GB left for the prefix cache", utilization, left / 1e9)
+
+    def _log_memory(self) -> None:
+        """Say where the device's memory goes: weights, the batch's caches, the prefix store."""
+        stats = device_memory()
+        if not stats.get("bytes_limit") or not log.isEnabledFor(logging.INFO):
+            return
+        weights = sum(x.nbytes for x in self.engine.param_leaves)  # the target's and any drafter's
+        row = self._row_bytes()
+        store = self.engine.prefix_cache.budget_bytes if self.engine.prefix_cache is not None else 0
+        log.info("device memory: %.2f GB the allocator may take; weights (with any drafter) %.2f GB, caches "
+                 "%.2f GB (%d rows x %.3f GB at max_model_len %d), prefix store up to %.2f GB", stats["bytes_limit"] / 1e9, weights / 1e9,
+                 row * self.engine.max_num_seqs / 1e9, self.engine.max_num_seqs, row / 1e9, self.max_model_len,
+                 store / 1e9)
 
     def _row_bytes(self) -> int:
         """Device bytes a batch row adds: its `DecodeState` and a step's float32 logits, probabilities
