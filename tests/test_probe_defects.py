@@ -131,3 +131,55 @@ def test_ctrl_c_ends_a_run_at_once_with_status_130(tiny_dir, tmp_path, command):
     assert status == 130, err
     assert "Traceback" not in err and "terminate called" not in err, err
     assert "interrupted" in err
+
+
+# ----------------------------------------------------------------------------- bench JSONL
+
+
+@pytest.mark.parametrize("line, message", [
+    ("[" * 100_000 + "]" * 100_000, "line 2: nests too deeply"),
+    ('{"prompt_token_ids": [1], "id": ' + "[" * 100_000 + "]" * 100_000 + "}", "line 2: nests too deeply"),
+    ('{"prompt_token_ids": [1], "id": {"a": [1]}}', r"line 2: id must be a string or a number, got \{'a': \[1\]\}"),
+    ('{"prompt_token_ids": [1], "id": [1, 2]}', "line 2: id must be a string or a number"),
+])
+def test_a_deep_or_nested_line_is_named(tiny_llm, tmp_path, line, message):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt_token_ids": [1, 2]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        read_requests(tiny_llm, src, max_tokens=8, temperature=0.0)
+
+
+def test_bench_names_a_deep_line_with_status_2(tiny_dir, tmp_path, capsys):
+    (tmp_path / "p.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    assert main(["bench", "--model", str(tiny_dir), "--dtype", "float32", "--max-model-len", "64",
+                 "--input", str(tmp_path / "p.jsonl")]) == 2
+    assert "line 1: nests too deeply" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u0085", "\u2029", "\x0c", "\r"])
+def test_lines_split_on_newline_only(tiny_llm, tmp_path, separator):
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt_token_ids": [1, 2], "id": f"a{separator}b"}, ensure_ascii=False) + "\r\n"
+                   + json.dumps({"prompt_token_ids": [3], "id": "c"}) + "\n")
+    first, second = read_requests(tiny_llm, src, max_tokens=8, temperature=0.0)
+    assert (first.id, first.line, second.id, second.line) == (f"a{separator}b", 1, "c", 2)
+
+
+@pytest.mark.parametrize("flag", ["--output", "--metrics"])
+def test_an_output_path_that_is_a_folder_is_refused_before_loading(tmp_path, capsys, monkeypatch, flag):
+    import spec_jax.api.cli as cli
+
+    (tmp_path / "p.jsonl").write_text('{"prompt_token_ids": [1, 2]}\n')
+    (tmp_path / "folder").mkdir()
+    monkeypatch.setattr(cli, "load_llm", lambda args: pytest.fail("loaded the model before checking the paths"))
+    assert main(["bench", "--input", str(tmp_path / "p.jsonl"), flag, str(tmp_path / "folder")]) == 2
+    assert f"cannot write {tmp_path / 'folder'}: it is a folder" in capsys.readouterr().err
+
+
+def test_run_file_refuses_a_folder_before_generating(tiny_llm, tmp_path, monkeypatch):
+    import spec_jax.api.batch_eval as batch_eval
+
+    (tmp_path / "p.jsonl").write_text('{"prompt_token_ids": [1, 2]}\n')
+    monkeypatch.setattr(batch_eval, "run", lambda *a, **k: pytest.fail("generated before checking the output path"))
+    with pytest.raises(ValueError, match="it is a folder"):
+        run_file(tiny_llm, str(tmp_path / "p.jsonl"), metrics_path=str(tmp_path))

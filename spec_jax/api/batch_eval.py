@@ -3,10 +3,10 @@
     spec-jax bench --model DIR --input prompts.jsonl --speculative-config '{"method":"mtp","num_speculative_tokens":2}'
 
 Each input line is {"prompt": TEXT} or {"prompt_token_ids": [ids]}, optionally with max_tokens,
-temperature, top_p, top_k, seed, ignore_eos, and an "id" copied to its output line. The
-prompts run through `LLM.generate` in batches of max_num_seqs rows, shortest first so that a
-batch shares a prompt bucket; a warm-up pass of one token per prompt compiles every bucket
-first, so tokens/s is decode speed, not compilation. Outputs come back in input order.
+temperature, top_p, top_k, seed, ignore_eos, and an "id" (a string or number) copied to its
+output line. The prompts run through `LLM.generate` in batches of max_num_seqs rows, shortest
+first so that a batch shares a prompt bucket; a warm-up pass of one token per prompt compiles
+every bucket first, so tokens/s is decode speed, not compilation. Outputs come back in input order.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ class EvalRequest:
 
 
 def read_requests(llm: LLM, path: str | Path, *, max_tokens: int, temperature: float) -> list[EvalRequest]:
-    """Parse and check every line (blank lines are skipped); a bad line raises ValueError
-    naming its number."""
+    """Parse and check every line (lines end at "\n" only, as JSONL's do: a string may hold any other
+    line separator; blank lines are skipped); a bad line raises ValueError naming its number."""
     requests = []
     try:
         text = Path(path).read_text()
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); the input is JSONL") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip(" \t\r"):
             try:
                 requests.append(parse_line(llm, line, n, max_tokens=max_tokens, temperature=temperature))
             except (ValueError, TypeError) as e:
@@ -56,6 +56,8 @@ def parse_line(llm: LLM, line: str, n: int, *, max_tokens: int, temperature: flo
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise ValueError("nests too deeply: a line is one object of a prompt and its settings") from None
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - LINE_KEYS)
@@ -63,6 +65,8 @@ def parse_line(llm: LLM, line: str, n: int, *, max_tokens: int, temperature: flo
         raise ValueError(f"unknown key {unknown[0]!r}; expected some of {', '.join(sorted(LINE_KEYS))}")
     if ("prompt" in obj) == ("prompt_token_ids" in obj):
         raise ValueError('give exactly one of "prompt" (text) or "prompt_token_ids"')
+    if not isinstance(obj.get("id"), str | int | float | None) or isinstance(obj.get("id"), bool):
+        raise ValueError(f"id must be a string or a number, got {repr(obj['id'])[:80]}")
     prompt, ids = obj.get("prompt"), obj.get("prompt_token_ids")
     if prompt is None and not isinstance(ids, list):
         raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
@@ -106,17 +110,26 @@ def output_line(req: EvalRequest, out: RequestOutput) -> dict:
     return {k: v for k, v in line.items() if v is not None}
 
 
+def output_paths(input_path: str, output_path: str | None = None, metrics_path: str | None = None) -> tuple[Path, Path]:
+    """Where `run_file` writes: the paths given, else INPUT.outputs.jsonl and INPUT.metrics.json.
+    ValueError naming one that is a folder or whose folder does not exist: checked before anything
+    runs, since a typo would otherwise cost the whole run."""
+    stem = Path(input_path).with_suffix("")
+    paths = Path(output_path or f"{stem}.outputs.jsonl"), Path(metrics_path or f"{stem}.metrics.json")
+    for path in paths:
+        if path.is_dir():
+            raise ValueError(f"cannot write {path}: it is a folder; name a file in it")
+        if not path.parent.is_dir():
+            raise ValueError(f"cannot write {path}: its directory {path.parent} does not exist")
+    return paths
+
+
 def run_file(llm: LLM, input_path: str, output_path: str | None = None, metrics_path: str | None = None, *,
              max_tokens: int = 64, temperature: float = 0.0, warmup: bool = True) -> dict:
     """Read `input_path`, generate, write outputs (JSONL) and metrics (JSON) next to it unless
     told where; returns the metrics."""
+    output_path, metrics_path = output_paths(input_path, output_path, metrics_path)
     requests = read_requests(llm, input_path, max_tokens=max_tokens, temperature=temperature)
-    stem = Path(input_path).with_suffix("")
-    output_path = Path(output_path or f"{stem}.outputs.jsonl")
-    metrics_path = Path(metrics_path or f"{stem}.metrics.json")
-    for path in (output_path, metrics_path):  # before generating: a typo would otherwise cost the whole run
-        if not path.parent.is_dir():
-            raise ValueError(f"cannot write {path}: its directory {path.parent} does not exist")
     outputs, metrics = run(llm, requests, warmup=warmup)
     output_path.write_text("".join(json.dumps(output_line(r, o)) + "\n" for r, o in zip(requests, outputs)))
     metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")

@@ -230,9 +230,10 @@ def serve(args) -> None:
 
 
 def bench(args) -> None:
-    from spec_jax.api.batch_eval import run_file
+    from spec_jax.api.batch_eval import output_paths, run_file
 
-    run_file(load_llm(args), args.input, args.output, args.metrics, max_tokens=args.max_tokens,
+    output, metrics = output_paths(args.input, args.output, args.metrics)  # before the model loads
+    run_file(load_llm(args), args.input, str(output), str(metrics), max_tokens=args.max_tokens,
              temperature=args.temperature, warmup=not args.no_warmup)
 
 
