@@ -183,3 +183,30 @@ def test_run_file_refuses_a_folder_before_generating(tiny_llm, tmp_path, monkeyp
     monkeypatch.setattr(batch_eval, "run", lambda *a, **k: pytest.fail("generated before checking the output path"))
     with pytest.raises(ValueError, match="it is a folder"):
         run_file(tiny_llm, str(tmp_path / "p.jsonl"), metrics_path=str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_an_orbax_marker_with_malformed_quantized_is_named(tiny_dir, tmp_path):
+    d = tmp_path / "converted"
+    d.mkdir()
+    shutil.copy(tiny_dir / "config.json", d / "config.json")
+    for marker, message in (({"quantized": [1]}, "'quantized' must be an object of module path -> format, got a list"),
+                            ({"quantized": {"layers.0.mlp": 5}}, "'quantized' maps 'layers.0.mlp' to 5; a format is"),
+                            ({"quantized": {"layers.0.mlp": "int3"}}, "'quantized' maps 'layers.0.mlp' to 'int3'"),
+                            ({"quantized": {"layers.0.mlp": "int8"}}, "layers.0.mlp is not a float Linear"),
+                            ({"dtype": [1]}, "unknown dtype"),
+                            ({"files": [1]}, "'files' must be an object of file name -> size in bytes, got")):
+        (d / "spec_jax.json").write_text(json.dumps({"format": "orbax", **marker}))
+        with pytest.raises(CheckpointError, match=f"spec_jax.json: {message}"):
+            load_model(d)
+
+
+def test_a_gguf_block_count_that_is_a_string_is_named(tiny_dir, tmp_path, monkeypatch):
+    def as_text(writer, count):
+        writer.add_string(gguf.Keys.LLM.BLOCK_COUNT.format(arch=writer.arch), str(count))
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", as_text)
+    write_gguf(tiny_dir, tmp_path / "t.gguf")
+    with pytest.raises(CheckpointError, match=r"t.gguf: metadata qwen35.block_count = .9. must be an integer >= 0"):
+        load_model(tmp_path / "t.gguf")

@@ -205,6 +205,18 @@ def metadata(reader: gguf.GGUFReader, path: Path, key: str, default=...):
     return float(str(np.float32(value))) if isinstance(value, float) else value  # 1e-06, not 9.99999997e-07
 
 
+def metadata_count(reader: gguf.GGUFReader, path: Path, key: str, default=..., *, positive: bool = False):
+    """A metadata integer, >= 1 if positive else >= 0 (or `default` when the key is absent and a
+    default is given); CheckpointError naming the file and key for any other value."""
+    value = metadata(reader, path, key, default)
+    if default is not ... and value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
+        raise CheckpointError(f"{path}: metadata {key} = {value!r} must be "
+                              f"{'a positive integer' if positive else 'an integer >= 0'}")
+    return value
+
+
 def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> Qwen3_5Config:
     """The GGUF's metadata as the config `Qwen3_5Config.from_hf` builds from a config.json; the MTP
     head is kept only when the file has its nextn block."""
@@ -212,30 +224,31 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> Qwen3_5Config:
     if arch not in ARCHS:
         raise CheckpointError(f"{path} has general.architecture {arch!r}; spec_jax loads {', '.join(ARCHS)}")
     get = lambda key, default=...: metadata(reader, path, key.format(arch=arch), default)  # noqa: E731
+
+    def count(key: str, default=..., positive: bool = False):
+        return metadata_count(reader, path, key.format(arch=arch), default, positive=positive)
+
     K = gguf.Keys
     names = {t.name for t in reader.tensors}
     if "token_embd.weight" not in names:
         raise CheckpointError(f"{path} is missing tensor 'token_embd.weight'")
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    nextn = get(K.LLM.NEXTN_PREDICT_LAYERS, 0)
-    n_layers = get(K.LLM.BLOCK_COUNT) - nextn
+    nextn = count(K.LLM.NEXTN_PREDICT_LAYERS, 0)
+    n_layers = count(K.LLM.BLOCK_COUNT) - nextn
     has_nextn = nextn > 0 and gguf.TENSOR_NAMES[NEXTN["mtp.fc.weight"]].format(bid=n_layers) + ".weight" in names
-    head_dim, v_heads = get(K.Attention.KEY_LENGTH), get(K.SSM.TIME_STEP_RANK)
-    for key, value in ((K.Attention.KEY_LENGTH, head_dim), (K.SSM.TIME_STEP_RANK, v_heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:  # both divide below
-            raise CheckpointError(f"{path}: metadata {key.format(arch=arch)} = {value!r} must be a positive integer")
-    eos = [get(key, None) for key in (K.Tokenizer.EOS_ID, K.Tokenizer.EOT_ID, K.Tokenizer.EOM_ID)]
+    head_dim, v_heads = count(K.Attention.KEY_LENGTH, positive=True), count(K.SSM.TIME_STEP_RANK, positive=True)
+    eos = [count(key, None) for key in (K.Tokenizer.EOS_ID, K.Tokenizer.EOT_ID, K.Tokenizer.EOM_ID)]
     hf = {
         "model_type": MODEL_TYPES[arch], "vocab_size": int(embed.shape[1]), "hidden_size": get(K.LLM.EMBEDDING_LENGTH),
         "intermediate_size": get(K.LLM.FEED_FORWARD_LENGTH, None), "num_hidden_layers": n_layers,
         "num_attention_heads": get(K.Attention.HEAD_COUNT), "num_key_value_heads": get(K.Attention.HEAD_COUNT_KV),
         "head_dim": head_dim, "rms_norm_eps": get(K.Attention.LAYERNORM_RMS_EPS),
-        "rope_theta": get(K.Rope.FREQ_BASE), "partial_rotary_factor": get(K.Rope.DIMENSION_COUNT) / head_dim,
+        "rope_theta": get(K.Rope.FREQ_BASE), "partial_rotary_factor": count(K.Rope.DIMENSION_COUNT) / head_dim,
         "max_position_embeddings": get(K.LLM.CONTEXT_LENGTH), "tie_word_embeddings": "output.weight" not in names,
         "full_attention_interval": get(K.LLM.FULL_ATTENTION_INTERVAL),
         "linear_conv_kernel_dim": get(K.SSM.CONV_KERNEL), "linear_key_head_dim": get(K.SSM.STATE_SIZE),
         "linear_num_key_heads": get(K.SSM.GROUP_COUNT), "linear_num_value_heads": v_heads,
-        "linear_value_head_dim": get(K.SSM.INNER_SIZE) // v_heads,
+        "linear_value_head_dim": count(K.SSM.INNER_SIZE) // v_heads,
         "num_experts": get(K.LLM.EXPERT_COUNT, 0), "num_experts_per_tok": get(K.LLM.EXPERT_USED_COUNT, 0),
         "moe_intermediate_size": get(K.LLM.EXPERT_FEED_FORWARD_LENGTH, 0),
         "shared_expert_intermediate_size": get(K.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, 0),

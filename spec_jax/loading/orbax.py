@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from models.layers import quantize_linears
 from models.qwen3_5 import Qwen3_5Model
 from models.tensor_parallel import check_divisible, param_spec
-from pallas_kernels.quant_formats import E2M1_BITS, nvfp4_from_modelopt
+from pallas_kernels.quant_formats import E2M1_BITS, FORMATS, nvfp4_from_modelopt
 from pallas_kernels.tensor_parallel import TP
 from spec_jax.loading.source import CheckpointError, load_config, read_json, resolve_dtype
 
@@ -39,7 +39,11 @@ def check_file_sizes(model_dir: Path, marker: dict) -> None:
     """Every file the marker lists under params/ is there at its saved size (a truncated or lost
     file is refused by name; a same-size corruption is not detected). Directories converted
     before the marker listed files are not checked."""
-    for name, size in (marker.get("files") or {}).items():
+    files = marker.get("files") or {}
+    if not isinstance(files, dict) or not all(type(size) is int for size in files.values()):
+        raise CheckpointError(f"{model_dir / MARKER}: 'files' must be an object of file name -> size in bytes, got "
+                              f"{str(files)[:80]}")
+    for name, size in files.items():
         path = model_dir / "params" / name
         if not path.is_file() or path.stat().st_size != size:
             found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
@@ -59,14 +63,16 @@ def restore(model_dir: str | os.PathLike, dtype: str | None = None, *, mesh: Mes
     cfg = load_config(model_dir)
     if not marker.get("mtp", True):
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
-    formats = {tuple(int(k) if k.isdigit() else k for k in path.split(".")): fmt
-               for path, fmt in marker.get("quantized", {}).items()}
+    formats = quantized_formats(marker, model_dir / MARKER)
 
     def abstract(dtype):
         return nnx.split(nnx.eval_shape(lambda: quantize_linears(Qwen3_5Model(cfg, dtype=dtype), formats)))
 
-    saved = resolve_dtype(marker.get("dtype", "float32"))
-    graphdef, state = abstract(saved)
+    try:
+        saved = resolve_dtype(marker.get("dtype", "float32"))
+        graphdef, state = abstract(saved)
+    except ValueError as e:  # a dtype or a module path this model does not have
+        raise CheckpointError(f"{model_dir / MARKER}: {e}") from None
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(state))
     if mesh is not None:
         shapes = restore_targets(shapes, formats, cfg, mesh)
@@ -82,6 +88,21 @@ def restore(model_dir: str | os.PathLike, dtype: str | None = None, *, mesh: Mes
     nvfp4_bytes_as_saved(params, formats, marker, model_dir)
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state), cfg
+
+
+def quantized_formats(marker: dict, where: Path) -> dict[tuple, str]:
+    """The marker's `quantized` ({module path: format}) keyed by path tuples, as `quantize_linears`
+    takes it; CheckpointError naming the file and key unless it is an object of known formats."""
+    quantized = marker.get("quantized", {})
+    if not isinstance(quantized, dict):
+        raise CheckpointError(f"{where}: 'quantized' must be an object of module path -> format, got a "
+                              f"{type(quantized).__name__}")
+    for path, fmt in quantized.items():
+        if not isinstance(fmt, str) or fmt not in FORMATS:
+            raise CheckpointError(f"{where}: 'quantized' maps {path!r} to {fmt!r}; a format is one of "
+                                  f"{', '.join(FORMATS)}")
+    return {tuple(int(k) if k.isascii() and k.isdigit() else k for k in path.split(".")): fmt
+            for path, fmt in quantized.items()}
 
 
 def restore_targets(shapes: dict, formats: dict[tuple, str], cfg, mesh: Mesh) -> dict:
