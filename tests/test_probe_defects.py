@@ -210,3 +210,34 @@ def test_a_gguf_block_count_that_is_a_string_is_named(tiny_dir, tmp_path, monkey
     write_gguf(tiny_dir, tmp_path / "t.gguf")
     with pytest.raises(CheckpointError, match=r"t.gguf: metadata qwen35.block_count = .9. must be an integer >= 0"):
         load_model(tmp_path / "t.gguf")
+
+
+# ----------------------------------------------------------------------------- speculative configs
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"method": "ngram", "num_speculative_tokens": ' + "7" * 5000 + "}",
+     "speculative_config.num_speculative_tokens must be int, got an integer beyond 64 bits"),
+    ({"method": "ngram", "num_speculative_tokens": 10**5000},
+     "speculative_config.num_speculative_tokens must be int, got an integer beyond 64 bits"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "synthetic_acceptance_rates": [' + "7" * 5000 + "]}",
+     "speculative_config.synthetic_acceptance_rates holds an integer beyond 64 bits"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 10**5000},
+     "speculative_config.suffix_decoding_max_tree_depth must be int, got an integer beyond 64 bits"),
+    ({"method": "draft_model", "model": "draft\0dir", "num_speculative_tokens": 2},
+     "speculative_config.model must be a path or a Hugging Face repo id; 'draft\\\\x00dir' has a NUL byte"),
+    ({"method": "mtp", "model": "a\0b"}, "speculative_config.model must be a path"),
+])
+def test_speculative_config_values_python_cannot_handle_are_named(config, message):
+    with pytest.raises(ValueError, match=message) as refused:
+        parse_speculative_config(config, target_model="target")
+    assert type(refused.value) is ValueError
+
+
+@pytest.mark.parametrize("method", ["draft_model", "dflash", "eagle3"])
+def test_a_drafter_path_that_is_no_checkpoint_folder_is_named(tiny_llm, tmp_path, method):
+    (tmp_path / "empty").mkdir()
+    for path, found in ((tmp_path / "absent", "does not exist"), (tmp_path / "empty", "has no config.json")):
+        with pytest.raises(ValueError, match=re.escape(f"speculative_config.model='{path}' {found}; method "
+                                                       f"'{method}' needs the drafter's checkpoint folder")):
+            tiny_llm.with_speculation({"method": method, "model": str(path), "num_speculative_tokens": 2})

@@ -203,10 +203,35 @@ def _field_types() -> dict[str, Any]:
     return typing.get_type_hints(SpeculativeConfig)
 
 
+class LongInteger:
+    """A JSON integer literal too long for Python to convert (over 4300 digits), kept unconverted
+    so that the field given it is refused by name."""
+
+    def __repr__(self) -> str:
+        return "<an integer beyond 64 bits>"
+
+
+def _json_integer(text: str) -> int | LongInteger:
+    """A JSON integer literal as an int, or as a LongInteger where Python will not convert it."""
+    try:
+        return int(text)
+    except ValueError:
+        return LongInteger()
+
+
+def _beyond_64_bits(value: Any) -> bool:
+    """No field takes an integer of 2**64 or more in magnitude (nor could Python print one of over 4300 digits)."""
+    return isinstance(value, LongInteger) or (isinstance(value, int) and abs(value) >= 2**64)
+
+
 def _checked(name: str, value: Any, hint: Any) -> Any:
     """`value` if it has the JSON type `hint` names (bool is not an int; an int is a float); lists
     become tuples so the config stays hashable. Otherwise ValueError naming the field."""
-    for option in typing.get_args(hint) or (hint,):
+    options = typing.get_args(hint) or (hint,)
+    expected = " or ".join("null" if o is type(None) else "list" if o is tuple else o.__name__ for o in options)
+    if _beyond_64_bits(value):
+        raise ValueError(f"speculative_config.{name} must be {expected}, got an integer beyond 64 bits")
+    for option in options:
         if value is None and option is type(None):
             return None
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -217,9 +242,7 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
             return _freeze(value, name)
         if option in (str, bool, dict) and isinstance(value, option):
             return value
-    expected = " or ".join("null" if o is type(None) else "list" if o is tuple else o.__name__
-                           for o in typing.get_args(hint) or (hint,))
-    raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    raise ValueError(f"speculative_config.{name} must be {expected}, got {value!r} ({type(value).__name__})")
 
 
 MAX_NESTING = 8  # no field nests lists deeper; a deeper value is refused, not recursed into
@@ -227,6 +250,8 @@ MAX_NESTING = 8  # no field nests lists deeper; a deeper value is refused, not r
 
 def _freeze(value: Any, name: str, depth: int = 0) -> Any:
     """Lists as tuples, all the way down (the config stays hashable)."""
+    if _beyond_64_bits(value):
+        raise ValueError(f"speculative_config.{name} holds an integer beyond 64 bits")
     if not isinstance(value, (list, tuple)):
         return value
     if depth >= MAX_NESTING:
@@ -273,7 +298,7 @@ def _decode(spec: dict | str) -> dict:
     """A dict, or a JSON string holding an object -> a fresh dict."""
     if isinstance(spec, str):
         try:
-            spec = json.loads(spec)
+            spec = json.loads(spec, parse_int=_json_integer)
         except json.JSONDecodeError as e:
             raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         except RecursionError:
@@ -343,6 +368,9 @@ def parse_speculative_config(spec: dict | str | None, *, target_model: str | Non
         raise ValueError("'tensor_parallel_size' is not a field of speculative_config; "
                          "use 'draft_tensor_parallel_size' for the draft model")
     _warn_unknown(raw)
+    if isinstance(raw.get("model"), str) and "\0" in raw["model"]:  # before any path is resolved
+        raise ValueError(f"speculative_config.model must be a path or a Hugging Face repo id; {raw['model']!r} has "
+                         f"a NUL byte")
     method = _resolve_method(raw)
     if method not in IMPLEMENTED_METHODS:
         raise ValueError(f"speculative method {method!r} is not implemented yet; "

@@ -128,11 +128,23 @@ def load_eagle3(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="floa
     return model, cfg
 
 
+def check_drafter_folder(spec) -> None:
+    """ValueError naming speculative_config.model unless it is a folder holding a config.json, as
+    every drafter layout is."""
+    path = Path(spec.model)
+    found = ("does not exist" if not path.exists() else "is not a folder" if not path.is_dir()
+             else "has no config.json" if not (path / "config.json").is_file() else None)
+    if found:
+        raise ValueError(f"speculative_config.model={spec.model!r} {found}; method {spec.method!r} needs the "
+                         f"drafter's checkpoint folder (its config.json and safetensors)")
+
+
 def load_draft(spec, target_cfg, dtype):
     """The network a parsed speculative config's `model` names, in the target's dtype: a DFlash /
     DSpark drafter, an EAGLE-3 head, or for draft_model a
     Qwen3.5/3.6 or plain Qwen3 model whose vocabulary must be the target's (drafts are token ids
     the target verifies)."""
+    check_drafter_folder(spec)
     if spec.method in ("dflash", "dspark"):
         return load_dflash(spec.model, target_cfg, dtype)[0]
     if spec.method == "eagle3":
