@@ -310,7 +310,8 @@ def test_a_model_path_that_is_a_file_is_named(tiny_dir):
 def test_a_draft_model_that_is_a_file_is_named(tiny_dir, tmp_path):
     f = tmp_path / "draft.bin"
     f.write_bytes(b"x")
-    with pytest.raises(CheckpointError, match="draft.bin is a file; a model is a directory"):
+    with pytest.raises(ValueError, match="speculative_config.model='.*draft.bin' is not a folder; method 'draft_model' "
+                                         "needs the drafter's checkpoint folder"):
         LLM(model=str(tiny_dir), dtype="float32", max_model_len=64,
             speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": str(f)})
 
