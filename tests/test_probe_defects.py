@@ -45,6 +45,13 @@ def test_chat_refuses_malformed_messages_and_templates_by_name(tiny_llm, message
         tiny_llm.chat(messages, SamplingParams(max_tokens=1), chat_template=template or TEMPLATE, use_tqdm=False)
 
 
+def test_apply_chat_template_refuses_a_message_that_is_not_an_object():
+    from spec_jax.api.chat import ChatTemplate, ChatTokenizer
+
+    with pytest.raises(ValueError, match=r"messages\[1\] must be an object with a role and content, got 5"):
+        ChatTokenizer(None, ChatTemplate(TEMPLATE)).apply_chat_template([MESSAGE, 5], tokenize=False)
+
+
 def test_chat_refuses_an_add_generation_prompt_that_is_not_a_bool(tiny_llm):
     with pytest.raises(ValueError, match="add_generation_prompt='yes' must be True or False"):
         tiny_llm.chat([MESSAGE], SamplingParams(max_tokens=1), chat_template=TEMPLATE, add_generation_prompt="yes")

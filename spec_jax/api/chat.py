@@ -167,10 +167,14 @@ def conversations(messages) -> list[list[dict]]:
 
 def text_messages(messages: list[dict]) -> list[dict]:
     """Messages with their content as text, as OpenAI reads them: a string stays, null is empty,
-    a list of parts joins its text parts by newlines. A role that is not a string, any other
-    content, or a part that is not text, is a RequestError naming the message."""
+    a list of parts joins its text parts by newlines. A message that is not an object, a role
+    that is not a string, any other content, or a part that is not text, is a RequestError naming
+    the message."""
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RequestError(f"messages[{i}] must be an object with a role and content, got {str(m)[:80]}",
+                               "messages")
         if not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}].role must be a string (system, user, assistant, tool, ...), got "
                                f"{m.get('role')!r}", "messages")
