@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.moe import SparseMoE
 from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, dot_transposed, expect_json,
                            fuse_linears, project, scan_layers, split_channels, tiled_projection, unstack_layers,
                            zeros_param)
 from pallas_kernels.batch_invariant import elementwise, invariant_rows
-from pallas_kernels.expert_matmul import expert_swiglu
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_recurrent import gdn_recurrent
 from pallas_kernels.rms_norm import rms_norm
@@ -409,43 +409,6 @@ def commit_gdn(cache: GDNCache, pending: GDNPending, n_used: jax.Array, K: int) 
     return GDNCache(window.astype(cache.conv.dtype), state)
 
 
-class Experts(nnx.Module):
-    """Routed experts, fused as in the checkpoint: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
-
-    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = zeros_param((*stack, E, 2 * I, H), dtype)
-        self.down_proj = zeros_param((*stack, E, H, I), dtype)
-
-    def __call__(self, x: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
-        """x: [N, H]; idx, weights: [N, k] chosen experts and their routing weights -> [N, H]."""
-        return expert_swiglu(x, self.gate_up_proj[...], self.down_proj[...], idx, weights)
-
-
-class SparseMoE(nnx.Module):
-    """Softmax router over all experts, top-k renormalised, plus a sigmoid-gated shared expert."""
-
-    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
-        H = cfg.hidden_size
-        self.cfg = cfg
-        self.gate = Linear(H, cfg.num_experts, stack=stack, dtype=dtype)
-        self.experts = Experts(cfg, stack=stack, dtype=dtype)
-        self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, stack=stack, dtype=dtype)
-        self.shared_expert_gate = Linear(H, 1, stack=stack, dtype=dtype)
-
-    def __call__(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        logits = self.gate(x)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, idx = jax.lax.top_k(probs, self.cfg.num_experts_per_tok)
-        if self.cfg.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        routed = self.experts(x, idx, weights.astype(logits.dtype))
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return (routed + shared).reshape(shape)
-
-
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x + mixer(norm(x)), then + ffn(norm(x))."""
 
@@ -468,9 +431,11 @@ class DecoderLayer(nnx.Module):
     def fuse_projections(self) -> None:
         """Join each sub-block's same-input projections into one matmul (`fuse_linears`)."""
         mixer = self.self_attn if self.kind == FULL else self.linear_attn
-        mlp = self.mlp.shared_expert if isinstance(self.mlp, SparseMoE) else self.mlp
-        for module in (mixer, mlp):
-            fuse_linears(module, module.PROJECTIONS)
+        fuse_linears(mixer, mixer.PROJECTIONS)
+        if isinstance(self.mlp, SparseMoE):
+            self.mlp.join_router_and_shared_expert()
+        else:
+            fuse_linears(self.mlp, self.mlp.PROJECTIONS)
 
     def __call__(self, x, batch: Batch, cache, g, kv_len: int, rollback=None):
         """Returns (x, cache, pending): pending is the GDN's per-token state a verify pass keeps

@@ -54,15 +54,18 @@ def test_qwen3_draft_model_decode_layout_reproduces_plain_greedy(monkeypatch, ti
     assert_greedy_equals_plain(llm, plain_greedy)
 
 
-def layout_config(moe: bool) -> Qwen3_5Config:
+def layout_config(moe: str | None) -> Qwen3_5Config:
+    """moe: None (dense), "shared apart" (a shared expert of another size than the routed ones:
+    kept as its own MLP) or "shared folded" (the same size: joined to the experts as expert E)."""
+    shared = {"shared apart": 48, "shared folded": 32}
     extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                 shared_expert_intermediate_size=48) if moe else {}
+                 shared_expert_intermediate_size=shared[moe]) if moe else {}
     # Two groups of two layers: the stacks are scanned over more than one repeat, and the unrolled
     # program is half the size of TINY's eight layers.
     return dataclasses.replace(TINY, num_hidden_layers=4, full_attention_interval=2, layer_types=(), **extra)
 
 
-@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("moe", [None, "shared apart", "shared folded"])
 def test_decode_layout_keeps_the_outputs_and_releases_the_stacks(moe):
     """Unstacked, projections joined: the same logits for a prompt, a decode step and a verify
     pass with rollback as the loaded (stacked) model, and no stacked array left alive."""
@@ -96,6 +99,12 @@ def test_decode_layout_keeps_the_outputs_and_releases_the_stacks(moe):
     joined = model.groups[0][0].linear_attn
     rows = joined.fused.weight.shape[0]
     assert joined.in_proj_qkv is None and rows % 128 == 0 and 0 <= rows - sum(joined.fused_sizes) < 128
+    if moe:
+        block = model.groups[0][0].mlp
+        assert block.gate is None and block.fused_sizes == (cfg.num_experts, 1)  # router and shared gate joined
+        folded = moe == "shared folded"
+        assert (block.shared_expert is None) == folded
+        assert block.experts.gate_up_proj.shape[0] == cfg.num_experts + folded
     # float32; a joined matmul sums in another order than three separate ones
     for a, b in zip(before, run(model)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,87 @@
+"""The sparse mixture-of-experts block of the Qwen3.5 / Qwen3.6 MoE models (and Qwen3-Next).
+
+A softmax router over E experts picks each token's top k (renormalised when `norm_topk_prob`);
+a shared expert, gated per token by sigmoid(shared_expert_gate(x)), runs on every token. Module
+attribute names mirror the checkpoint's tensor names (`mlp.gate`, `mlp.experts.gate_up_proj`,
+`mlp.shared_expert.*`, `mlp.shared_expert_gate`).
+
+Shapes: N tokens, H hidden, E experts, I expert inner size, k experts a token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.layers import MLP, Linear, fuse_linears, project, zeros_param
+from pallas_kernels.expert_matmul import expert_swiglu
+
+if TYPE_CHECKING:
+    from models.qwen3_5 import Qwen3_5Config
+
+
+class Experts(nnx.Module):
+    """Routed experts, fused as in the checkpoint: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = zeros_param((*stack, E, 2 * I, H), dtype)
+        self.down_proj = zeros_param((*stack, E, H, I), dtype)
+
+    def __call__(self, x: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
+        """x: [N, H]; idx, weights: [N, k] chosen experts and their routing weights -> [N, H]."""
+        return expert_swiglu(x, self.gate_up_proj[...], self.down_proj[...], idx, weights)
+
+
+class SparseMoE(nnx.Module):
+    """Softmax router over all experts, top-k renormalised, plus a sigmoid-gated shared expert."""
+
+    ROUTER = ("gate", "shared_expert_gate")  # both read the block's input: one matmul once joined
+
+    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
+        H = cfg.hidden_size
+        self.cfg = cfg
+        self.gate = Linear(H, cfg.num_experts, stack=stack, dtype=dtype)
+        self.experts = Experts(cfg, stack=stack, dtype=dtype)
+        self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, stack=stack, dtype=dtype)
+        self.shared_expert_gate = Linear(H, 1, stack=stack, dtype=dtype)
+
+    def join_router_and_shared_expert(self) -> None:
+        """For the decode layout (one layer's own arrays): the router's and the shared gate's rows
+        become one matmul, and where the shared expert has the routed experts' size it becomes
+        routed expert E, which every token picks with weight sigmoid(shared gate): its gate and
+        up rows are appended to the expert stacks. One more pair a token in the expert kernels then
+        replaces the shared MLP's matmuls and elementwise kernels. Quantized or tensor-parallel
+        shared experts keep their own MLP (their rows do not concatenate with the stacks). In place."""
+        shared = self.shared_expert
+        parts = (shared.gate_proj, shared.up_proj, shared.down_proj)
+        foldable = (shared.gate_proj.weight.shape[-2] == self.cfg.moe_intermediate_size
+                    and all(p.format is None and p.shards == 1 for p in parts) and self.gate.shards == 1)
+        if foldable:
+            experts = self.experts
+            gate_up = jnp.concatenate([shared.gate_proj.weight[...], shared.up_proj.weight[...]], axis=-2)
+            experts.gate_up_proj = nnx.Param(jnp.concatenate([experts.gate_up_proj[...], gate_up[None]]))
+            experts.down_proj = nnx.Param(jnp.concatenate([experts.down_proj[...], shared.down_proj.weight[None]]))
+            self.shared_expert = None
+        else:
+            fuse_linears(shared, shared.PROJECTIONS)
+        fuse_linears(self, self.ROUTER)
+
+    def __call__(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits, shared_gate = project(self, self.ROUTER, x)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, idx = jax.lax.top_k(probs, self.cfg.num_experts_per_tok)
+        if self.cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        if self.shared_expert is None:  # folded in as expert E (`join_router_and_shared_expert`)
+            idx = jnp.concatenate([idx, jnp.full((x.shape[0], 1), self.cfg.num_experts, idx.dtype)], axis=-1)
+            weights = jnp.concatenate([weights, jax.nn.sigmoid(shared_gate.astype(jnp.float32))], axis=-1)
+            return self.experts(x, idx, weights.astype(logits.dtype)).reshape(shape)
+        routed = self.experts(x, idx, weights.astype(logits.dtype))
+        shared = jax.nn.sigmoid(shared_gate) * self.shared_expert(x)
+        return (routed + shared).reshape(shape)
