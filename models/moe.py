@@ -5,12 +5,11 @@ a shared expert, gated per token by sigmoid(shared_expert_gate(x)), runs on ever
 attribute names mirror the checkpoint's tensor names (`mlp.gate`, `mlp.experts.gate_up_proj`,
 `mlp.shared_expert.*`, `mlp.shared_expert_gate`).
 
-Shapes: N tokens, H hidden, E experts, I expert inner size, k experts a token.
+Shapes: N tokens, H hidden, E experts, I expert inner size, k experts a token. `cfg` is the
+model's `Qwen3_5Config` (not imported: the model's file imports this one).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +18,11 @@ from flax import nnx
 from models.layers import MLP, Linear, fuse_linears, project, zeros_param
 from pallas_kernels.expert_matmul import expert_swiglu
 
-if TYPE_CHECKING:
-    from models.qwen3_5 import Qwen3_5Config
-
 
 class Experts(nnx.Module):
     """Routed experts, fused as in the checkpoint: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
 
-    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
+    def __init__(self, cfg, *, stack=(), dtype=jnp.float32):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = zeros_param((*stack, E, 2 * I, H), dtype)
         self.down_proj = zeros_param((*stack, E, H, I), dtype)
@@ -41,7 +37,7 @@ class SparseMoE(nnx.Module):
 
     ROUTER = ("gate", "shared_expert_gate")  # both read the block's input: one matmul once joined
 
-    def __init__(self, cfg: Qwen3_5Config, *, stack=(), dtype=jnp.float32):
+    def __init__(self, cfg, *, stack=(), dtype=jnp.float32):
         H = cfg.hidden_size
         self.cfg = cfg
         self.gate = Linear(H, cfg.num_experts, stack=stack, dtype=dtype)
