@@ -483,3 +483,12 @@ def test_n_choices_per_prompt(served):
             for p in ids for s in (3, 4)]
     assert [c.token_ids for c in r.choices] == [w.outputs[0].token_ids for w in want]
     assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 24
+
+
+
+def test_best_of_equal_to_n_is_accepted(served):
+    """vLLM takes best_of == n (n samples, all returned); any other best_of is refused by name."""
+    r = httpx.post(f"{served[0]}/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    r = httpx.post(f"{served[0]}/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"

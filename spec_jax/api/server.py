@@ -128,7 +128,6 @@ def body_error(errors: list[dict]) -> APIError:
 def refuse_unsupported(body: SamplingFields) -> None:
     """Fields this server cannot honour, when set to anything but their neutral value."""
     unsupported = {"echo": bool(getattr(body, "echo", False)),
-                   "best_of": getattr(body, "best_of", None) not in (None, 1),
                    "suffix": getattr(body, "suffix", None) is not None,
                    "tools": bool(getattr(body, "tools", None)),
                    "response_format": (getattr(body, "response_format", None) or {}).get("type", "text") != "text"}
@@ -161,7 +160,7 @@ def sampling_params(server: Server, body: SamplingFields, max_tokens: int | None
                                 stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                 repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias,
-                                bad_words=body.bad_words, logprobs=logprobs,
+                                bad_words=body.bad_words, logprobs=logprobs, best_of=getattr(body, "best_of", None),
                                 skip_special_tokens=body.skip_special_tokens, speculative=body.speculative)
         server.llm.check_params(params)
         return params
