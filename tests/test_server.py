@@ -486,6 +486,17 @@ def test_n_choices_per_prompt(served):
 
 
 
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1e-300), ("repetition_penalty", 1e308),
+                                          ("temperature", 1e39), ("temperature", 1e-40), ("top_p", 1e-300),
+                                          ("min_p", 1e-45), ("presence_penalty", -1e-320)])
+def test_float_fields_are_checked_in_float32(served, field, value):
+    """The device holds these fields in float32: a value that would become 0 or inf there (or a
+    denormal, whose reciprocal overflows) is refused by name, though float64 holds it."""
+    r = httpx.post(f"{served[0]}/v1/completions", json={"prompt": "x", "max_tokens": 1, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "float32" in r.json()["error"]["message"]
+
+
 def test_best_of_equal_to_n_is_accepted(served):
     """vLLM takes best_of == n (n samples, all returned); any other best_of is refused by name."""
     r = httpx.post(f"{served[0]}/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 2})

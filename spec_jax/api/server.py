@@ -26,6 +26,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -136,6 +137,21 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise APIError(400, f"{name} is not supported by this server; leave it unset", param=name)
 
 
+FLOAT32 = np.finfo(np.float32)
+# The sampling fields the device holds in float32.
+FLOAT32_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def check_float32(body: SamplingFields) -> None:
+    """Each of FLOAT32_FIELDS 0 or of a magnitude float32 holds as a normal number: a value that
+    would become 0, a denormal or inf there is a 400 naming the field, though float64 holds it."""
+    for name in FLOAT32_FIELDS:
+        value = getattr(body, name)
+        if not (value == 0 or FLOAT32.tiny <= abs(value) <= FLOAT32.max):
+            raise APIError(400, f"{name}={value} is outside float32, the precision it is used in: give 0 or a "
+                                f"magnitude from {FLOAT32.tiny:.3g} to {FLOAT32.max:.3g}", param=name)
+
+
 def requested_logprobs(body: SamplingFields) -> int | None:
     """SamplingParams.logprobs: completions' `logprobs` count, or chat's `top_logprobs` when its
     `logprobs` is true (0 then: the chosen token's only)."""
@@ -150,6 +166,7 @@ def requested_logprobs(body: SamplingFields) -> int | None:
 
 def sampling_params(server: Server, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
     """The request's SamplingParams, checked against the served model; a bad field is a 400 naming it."""
+    check_float32(body)
     if len(body.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
         raise APIError(400, f"{len(body.stop_token_ids)} stop_token_ids given; at most {MAX_STOP_TOKEN_IDS} are "
                             f"supported", param="stop_token_ids")
