@@ -485,6 +485,71 @@ def test_n_choices_per_prompt(served):
     assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 24
 
 
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+                  "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                  "{% for call in m.tool_calls or [] %}{% if call.function %}{% set call = call.function %}{% endif %}"
+                  "<tool_call>{{ call.name }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+                  "{% for d in documents or [] %}{{ d }}{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tool_client(served, tmp_path_factory):
+    """The served model behind a chat template that iterates `tools` and each message's `tool_calls`."""
+    template = tmp_path_factory.mktemp("tools") / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    with TestClient(build_app(Server(served[1], chat_template=str(template))), raise_server_exceptions=False) as client:
+        yield client
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("fields, param, named", [
+    ({"chat_template_kwargs": {"tools": 5}}, "chat_template_kwargs", "chat_template_kwargs.tools"),
+    ({"chat_template_kwargs": {"tools": True}}, "chat_template_kwargs", "chat_template_kwargs.tools"),
+    ({"chat_template_kwargs": {"tools": [5]}}, "chat_template_kwargs", "chat_template_kwargs.tools[0]"),
+    ({"chat_template_kwargs": {"tools": [{"function": "str"}]}}, "chat_template_kwargs",
+     "chat_template_kwargs.tools[0].function"),
+    ({"tool_calls": 5}, "messages", "messages[1].tool_calls"),
+    ({"tool_calls": True}, "messages", "messages[1].tool_calls"),
+    ({"tool_calls": [5]}, "messages", "messages[1].tool_calls[0]"),
+    ({"tool_calls": [{"function": "str"}]}, "messages", "messages[1].tool_calls[0].function"),
+    ({"tool_calls": [{"function": {"name": "f", "arguments": 5}}]}, "messages",
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"tools": 5}, "tools", "tools"),
+])
+def test_malformed_tools_and_tool_calls_are_refused_naming_the_field(tool_client, fields, param, named):
+    """A template that loops over tools or tool calls never meets a value of the wrong shape: the
+    request is a 400 in OpenAI's error body naming the field, not a template crash."""
+    calls = fields.pop("tool_calls", None)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "user", "content": "go on"}]
+    r = tool_client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and named in error["message"], error
+
+
+def test_well_formed_tools_and_tool_calls_reach_the_template(tool_client, served):
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    r = tool_client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "return_token_ids": True,
+                                                       "chat_template_kwargs": {"tools": [tool]}})
+    assert r.status_code == 200, r.text
+    prompt = ChatTemplate(TOOLS_TEMPLATE).render(messages, {"tools": [tool]})
+    assert '"lookup"' in prompt and "<tool_call>f</tool_call>" in prompt
+    assert r.json()["prompt_token_ids"] == [served[1].tokenizer.encode(prompt)]
+
+
+def test_a_template_failing_on_a_request_is_a_400(tool_client):
+    """Whatever the template cannot render for a request's values is the request's fault, not a 500."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = tool_client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"documents": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "TypeError" in r.json()["error"]["message"]
+
 
 @pytest.mark.parametrize("field, value", [("repetition_penalty", 1e-300), ("repetition_penalty", 1e308),
                                           ("temperature", 1e39), ("temperature", 1e-40), ("top_p", 1e-300),

@@ -137,6 +137,41 @@ def refuse_unsupported(body: SamplingFields) -> None:
             raise APIError(400, f"{name} is not supported by this server; leave it unset", param=name)
 
 
+TOOL_FORM = '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
+CALL_FORM = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
+
+
+def check_tools(body: ChatBody) -> None:
+    """What a chat template may loop over besides messages, in OpenAI's shapes: chat_template_kwargs'
+    `tools` a list of tool objects, each message's `tool_calls` a list of call objects. Anything
+    else is a 400 naming the field."""
+    tools = (body.chat_template_kwargs or {}).get("tools")
+    if tools is not None:
+        check_functions(tools, "chat_template_kwargs.tools", "chat_template_kwargs", TOOL_FORM, calls=False)
+    for i, message in enumerate(body.messages):
+        if message.get("tool_calls") is not None:
+            check_functions(message["tool_calls"], f"messages[{i}].tool_calls", "messages", CALL_FORM, calls=True)
+
+
+def check_functions(items, where: str, param: str, form: str, *, calls: bool) -> None:
+    """items must be a list of objects `form`, each with a `function` object that has a string
+    name (and, for calls, arguments as JSON text or an object); else a 400 naming the part at
+    fault, under `param`."""
+    def refuse(path: str, rule: str, value):
+        raise APIError(400, f"{path} must be {rule}, got {json.dumps(value)[:80]}", param=param)
+
+    if not isinstance(items, list):
+        refuse(where, f"a list of {form}", items)
+    for j, item in enumerate(items):
+        if not isinstance(item, dict):
+            refuse(f"{where}[{j}]", f"an object {form}", item)
+        function = item.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            refuse(f"{where}[{j}].function", "an object with a string name", function)
+        if calls and not isinstance(function.get("arguments", ""), str | dict):
+            refuse(f"{where}[{j}].function.arguments", "JSON text or an object", function["arguments"])
+
+
 FLOAT32 = np.finfo(np.float32)
 # The sampling fields the device holds in float32.
 FLOAT32_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -516,6 +551,7 @@ def build_app(server: Server) -> FastAPI:
                                 f"--chat-template FILE, or use /v1/completions", param="messages")
         if not body.messages or any(not isinstance(m.get("role"), str) for m in body.messages):
             raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+        check_tools(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(server, body, max_tokens)
         try:
