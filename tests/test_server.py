@@ -1,6 +1,8 @@
 """The OpenAI-compatible server on a loopback port, driven by the real `openai` client and raw
 HTTP; the continuous-batching scheduler under it, with speculation."""
 
+import asyncio
+import contextlib
 import copy
 import dataclasses
 import json
@@ -549,6 +551,34 @@ def test_a_template_failing_on_a_request_is_a_400(tool_client):
     r = tool_client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"documents": 5}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "TypeError" in r.json()["error"]["message"]
+
+
+def test_request_preparation_runs_off_the_event_loop(served, monkeypatch):
+    """Checking a request's fields and rows (n of them, bad words tokenized for each) and rendering
+    its chat prompt run in worker threads: the event loop only moves bytes, so /health and other
+    streams keep answering while a large request is prepared."""
+    url, llm, client = served
+    on_loop = []
+
+    def watch(name, fn):
+        def spy(*args, **kwargs):
+            with contextlib.suppress(RuntimeError):  # no running loop: a worker or the scheduler thread
+                asyncio.get_running_loop()
+                on_loop.append(name)
+            return fn(*args, **kwargs)
+        return spy
+
+    for name in ("check_params", "bad_word_forms", "tokenize"):
+        monkeypatch.setattr(llm, name, watch(name, getattr(llm, name)))
+    monkeypatch.setattr(SamplingParams, "__post_init__", watch("SamplingParams", SamplingParams.__post_init__))
+    monkeypatch.setattr(ChatTemplate, "render", watch("render", ChatTemplate.render))
+    r = client.completions.create(model="tiny", prompt=["def f(", "x"], max_tokens=2, n=8, temperature=1.0,
+                                  extra_body={"bad_words": ["if", "return x"]})
+    assert len(r.choices) == 16
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=3,
+                                       extra_body={"bad_words": ["if"]})
+    assert len(r.choices) == 3
+    assert on_loop == []
 
 
 @pytest.mark.parametrize("field, value", [("repetition_penalty", 1e-300), ("repetition_penalty", 1e308),

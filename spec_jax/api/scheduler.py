@@ -128,18 +128,28 @@ class Scheduler:
         self.inbox.put(("stop", None))
         self.thread.join()
 
-    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[Update], None]) -> Request:
-        """Queue a prompt; `sink` gets its updates. Bad prompts, stop lists or token ids raise
-        ValueError here."""
+    def request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                sink: Callable[[Update], None]) -> Request:
+        """A checked request, not yet queued (`enqueue` queues it); `sink` will get its updates.
+        Bad prompts, stop lists or token ids raise ValueError."""
         ids = self.llm.tokenize(prompt_token_ids)
         bad_words = self.llm.check_params(params)
         if len(params.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids given; at most {MAX_STOP_TOKEN_IDS} "
                              f"are supported")
-        req = Request(next(self.ids), ids, params, sink, processors_needed(params, bad_words))
+        return Request(next(self.ids), ids, params, sink, processors_needed(params, bad_words))
+
+    def enqueue(self, requests: Sequence[Request]) -> None:
+        """Queue checked requests (`request`), in order."""
         with self.lock:
-            self.queued += 1
-        self.inbox.put(("add", req))
+            self.queued += len(requests)
+        self.inbox.put(("add", list(requests)))
+
+    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[Update], None]) -> Request:
+        """Queue a prompt; `sink` gets its updates. Bad prompts, stop lists or token ids raise
+        ValueError here."""
+        req = self.request(prompt_token_ids, params, sink)
+        self.enqueue([req])
         return req
 
     def cancel(self, req: Request, reason: str = "abort") -> None:
@@ -219,7 +229,7 @@ class Scheduler:
             if kind == "stop":
                 return False
             if kind == "add":
-                self.waiting.append(payload)
+                self.waiting.extend(payload)
             elif not payload[0].finished:  # ("cancel", (request, reason))
                 self._cancel(*payload)
         return True

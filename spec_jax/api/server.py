@@ -271,20 +271,27 @@ class Server:
                                 f"completion). Reduce the prompt or max_tokens.", param=param,
                            code="context_length_exceeded")
 
-    async def choices(self, prompts: list[list[int]], params: list[SamplingParams],
+    async def choices(self, prompts: list[list[int]], params: SamplingParams,
                       stops: list[str]) -> AsyncIterator[tuple[int, str, Update]]:
-        """Run the prompts (one `SamplingParams` each) through the scheduler; yield (index, text
-        delta, the scheduler's `Update` with finish_reason "stop" at a stop string) as tokens
-        arrive. Leaving early cancels what runs."""
+        """Run each prompt's params.n choices (`fan_out`) through the scheduler; yield (choice
+        index = prompt index x n + i, text delta, the scheduler's `Update` with finish_reason
+        "stop" at a stop string) as tokens arrive. The rows are checked in a worker thread (n of
+        them take a while); leaving early cancels what runs."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
         def sink(index):
             return lambda update: loop.call_soon_threadsafe(updates.put_nowait, (index, update))
 
-        requests = [self.scheduler.submit(ids, p, sink(i)) for i, (ids, p) in enumerate(zip(prompts, params))]
-        texts = [TextDelta(self.llm.tokenizer, p.skip_special_tokens, stops) for p in params]
-        running = set(range(len(prompts)))
+        def checked_rows():
+            children = fan_out(params)
+            return [self.scheduler.request(ids, p, sink(i * len(children) + j))
+                    for i, ids in enumerate(prompts) for j, p in enumerate(children)]
+
+        requests = await asyncio.to_thread(checked_rows)
+        self.scheduler.enqueue(requests)  # no await between queueing them and the cancelling `finally`
+        texts = [TextDelta(self.llm.tokenizer, r.params.skip_special_tokens, stops) for r in requests]
+        running = set(range(len(requests)))
         try:
             while running:
                 i, update = await updates.get()
@@ -303,6 +310,37 @@ class Server:
         finally:
             for req in requests:
                 self.scheduler.cancel(req)
+
+
+def prepare_completion(server: Server, body: CompletionBody) -> tuple[SamplingParams, list[list[int]]]:
+    """A completion request's checked SamplingParams and prompts' token ids (with room for
+    max_tokens): long texts take seconds to tokenize, so it runs in a worker thread."""
+    params = sampling_params(server, body, body.max_tokens)
+    prompts = completion_prompts(server, body.prompt, params.n)
+    for ids in prompts:
+        server.check_room(ids, body.max_tokens, "max_tokens")
+    return params, prompts
+
+
+def prepare_chat(server: Server, body: ChatBody) -> tuple[SamplingParams, list[int]]:
+    """A chat request's checked SamplingParams and rendered prompt's token ids (with room for
+    max_tokens); like `prepare_completion`, it runs in a worker thread."""
+    if server.chat_template is None:
+        raise APIError(400, f"{server.llm.model_path} has no chat template (no chat_template in its "
+                            f"tokenizer_config.json, no chat_template.jinja); start the server with "
+                            f"--chat-template FILE, or use /v1/completions", param="messages")
+    if not body.messages or any(not isinstance(m.get("role"), str) for m in body.messages):
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    check_tools(body)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(server, body, max_tokens)
+    try:
+        prompt = server.chat_template.render(body.messages, body.chat_template_kwargs)
+    except RequestError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    ids = server.encode(prompt, "messages")
+    server.check_room(ids, max_tokens, "max_tokens")
+    return params, ids
 
 
 def completion_prompts(server: Server, prompt, n: int) -> list[list[int]]:
@@ -389,14 +427,12 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
     numbers them. client_gone(): whether the client disconnected (a non-streaming request stops
     then; a stream stops when its next write fails)."""
     stops = stop_strings(body)
-    children = fan_out(params)
-    asked, prompts = prompts, [p for p in prompts for _ in children]
-    row_params = children * len(asked)
+    rows = len(prompts) * params.n
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk" if body.stream and chat else
             "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": server.name}
-    generated: list[list[int]] = [[] for _ in prompts]
+    generated: list[list[int]] = [[] for _ in range(rows)]
     logprobs = None if params.logprobs is None else LogprobsFormat(server, chat, params.logprobs)
 
     def choice(i: int, text: str, ids: list[int], reason: str | None, final_body: bool, entries, offset=0) -> dict:
@@ -413,12 +449,12 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
         return out
 
     if not body.stream:
-        texts = [""] * len(prompts)
-        reasons: list[str | None] = [None] * len(prompts)
-        entries: list[list] = [[] for _ in prompts]
+        texts = [""] * rows
+        reasons: list[str | None] = [None] * rows
+        entries: list[list] = [[] for _ in range(rows)]
 
         async def collect():
-            async for i, delta, update in server.choices(prompts, row_params, stops):
+            async for i, delta, update in server.choices(prompts, params, stops):
                 if update.error:
                     raise APIError(500, f"generation failed: {update.error}", type="server_error")
                 texts[i] += delta
@@ -429,19 +465,19 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
         if not await unless_client_leaves(collect(), client_gone):
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         out = {**head, "choices": [choice(i, texts[i], generated[i], reasons[i], True, entries[i])
-                                   for i in range(len(prompts))],
-               "usage": usage(asked, generated)}
+                                   for i in range(rows)],
+               "usage": usage(prompts, generated)}
         if body.return_token_ids:
-            out["prompt_token_ids"] = asked
+            out["prompt_token_ids"] = prompts
         return JSONResponse(out)
 
     async def events():
         if chat:
-            for i in range(len(prompts)):
+            for i in range(rows):
                 yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
-        offsets = [0] * len(prompts)
-        async for i, delta, update in server.choices(prompts, row_params, stops):
+        offsets = [0] * rows
+        async for i, delta, update in server.choices(prompts, params, stops):
             if update.error:
                 yield sse(APIError(500, f"generation failed: {update.error}", type="server_error").body())
                 break
@@ -452,7 +488,7 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
                                                       offsets[i])]})
             offsets[i] += logprobs.span(ids) if logprobs else 0  # token texts, as the whole body counts them
         if (body.stream_options or {}).get("include_usage"):
-            yield sse({**head, "choices": [], "usage": usage(asked, generated)})
+            yield sse({**head, "choices": [], "usage": usage(prompts, generated)})
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -534,32 +570,14 @@ def build_app(server: Server) -> FastAPI:
     async def completions(body: CompletionBody, request: Request):
         server.check_model(body.model)
         refuse_unsupported(body)
-        params = sampling_params(server, body, body.max_tokens)
-        # tokenizing a long text takes seconds: in a worker thread, so other requests keep streaming
-        prompts = await asyncio.to_thread(completion_prompts, server, body.prompt, params.n)
-        for ids in prompts:
-            server.check_room(ids, body.max_tokens, "max_tokens")
+        params, prompts = await asyncio.to_thread(prepare_completion, server, body)
         return await complete(server, body, prompts, params, chat=False, client_gone=request.is_disconnected)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         server.check_model(body.model)
         refuse_unsupported(body)
-        if server.chat_template is None:
-            raise APIError(400, f"{server.llm.model_path} has no chat template (no chat_template in its "
-                                f"tokenizer_config.json, no chat_template.jinja); start the server with "
-                                f"--chat-template FILE, or use /v1/completions", param="messages")
-        if not body.messages or any(not isinstance(m.get("role"), str) for m in body.messages):
-            raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
-        check_tools(body)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(server, body, max_tokens)
-        try:
-            prompt = server.chat_template.render(body.messages, body.chat_template_kwargs)
-        except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        ids = await asyncio.to_thread(server.encode, prompt, "messages")
-        server.check_room(ids, max_tokens, "max_tokens")
+        params, ids = await asyncio.to_thread(prepare_chat, server, body)
         return await complete(server, body, [ids], params, chat=True, client_gone=request.is_disconnected)
 
     return app
