@@ -553,6 +553,35 @@ def test_a_template_failing_on_a_request_is_a_400(tool_client):
     assert "TypeError" in r.json()["error"]["message"]
 
 
+def test_steps_per_chunk_is_bounded_at_start_up(monkeypatch, capsys, tiny_dir, tiny_llm):
+    """More steps a chunk than max_model_len is refused before serving, naming the flag and the range."""
+    import uvicorn
+
+    from spec_jax.api.cli import main
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: pytest.fail("served with an unbounded --steps-per-chunk"))
+    for steps in ("99999999999", "2147483647", "257", "0"):
+        assert main(["serve", "--model", str(tiny_dir), "--dtype", "float32", "--max-model-len", "256",
+                     "--steps-per-chunk", steps]) == 2
+        assert "--steps-per-chunk" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="steps_per_chunk=2147483647 must be 1 to 256"):
+        Scheduler(tiny_llm, steps_per_chunk=2**31 - 1)
+
+
+def test_a_failed_warm_up_stops_the_server(tiny_llm, monkeypatch):
+    """A program that fails while warming up ends start-up with its error; nothing is served."""
+    server = Server(tiny_llm)
+
+    def fail(*args):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(server.scheduler.engine, "decode", fail)
+    with pytest.raises(RuntimeError, match="warm-up failed: RuntimeError: RESOURCE_EXHAUSTED"):
+        with TestClient(build_app(server)):
+            pass
+    assert not server.scheduler.thread.is_alive()
+
+
 def test_request_preparation_runs_off_the_event_loop(served, monkeypatch):
     """Checking a request's fields and rows (n of them, bad words tokenized for each) and rendering
     its chat prompt run in worker threads: the event loop only moves bytes, so /health and other

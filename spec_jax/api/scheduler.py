@@ -87,12 +87,15 @@ def recent(buffers, start: jax.Array, width: int):
 
 class Scheduler:
     """Continuous batching over `llm.engine.max_num_seqs` slots, with `steps_per_chunk` decode
-    steps per device call (more: less dispatch overhead, coarser streaming). The live batch carries
-    the logit processors and logprobs its requests use, and no others (`Engine.with_processors`)."""
+    steps per device call, 1 to max_model_len (more: less dispatch overhead, coarser streaming).
+    The live batch carries the logit processors and logprobs its requests use, and no others
+    (`Engine.with_processors`)."""
 
     def __init__(self, llm: LLM, *, steps_per_chunk: int = 4):
-        if steps_per_chunk < 1:
-            raise ValueError(f"steps_per_chunk={steps_per_chunk} must be at least 1")
+        if isinstance(steps_per_chunk, bool) or not isinstance(steps_per_chunk, int) \
+                or not 1 <= steps_per_chunk <= llm.max_model_len:
+            raise ValueError(f"steps_per_chunk={steps_per_chunk!r} must be 1 to {llm.max_model_len} (max_model_len: "
+                             f"no row runs more steps)")
         self.llm = llm
         self.engine = llm.engine
         plan = self.engine.plan
@@ -127,6 +130,17 @@ class Scheduler:
         """Abort every request and stop the device thread."""
         self.inbox.put(("stop", None))
         self.thread.join()
+
+    def warm_up(self) -> None:
+        """Compile the common executables before serving: the shortest prompt bucket, greedy and
+        sampled (OpenAI's default temperature is 1). A program that fails raises RuntimeError with
+        its error."""
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True)
+            for update in self.stream([0], params):
+                if update.error is not None:
+                    raise RuntimeError(f"warm-up failed: {update.error}")
+        self.reset_counters()
 
     def request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                 sink: Callable[[Update], None]) -> Request:

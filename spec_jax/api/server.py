@@ -242,14 +242,6 @@ class Server:
         self.chat_template = ChatTemplate.of_checkpoint(llm.model_path, chat_template)
         self.created = int(time.time())
 
-    def warm_up(self) -> None:
-        """Compile the common executables (the shortest prompt bucket, greedy and sampled: OpenAI's
-        default temperature is 1) before serving."""
-        for temperature in (0.0, 1.0):
-            for _ in self.scheduler.stream([0], SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True)):
-                pass
-        self.scheduler.reset_counters()
-
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.name:
             raise APIError(404, f"The model {name!r} does not exist; this server serves {self.name!r}",
@@ -533,9 +525,11 @@ def build_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.scheduler.start()
-        await asyncio.to_thread(server.warm_up)
-        yield
-        await asyncio.to_thread(server.scheduler.shutdown)
+        try:
+            await asyncio.to_thread(server.scheduler.warm_up)
+            yield
+        finally:
+            await asyncio.to_thread(server.scheduler.shutdown)
 
     app = FastAPI(title="spec_jax", lifespan=lifespan)
 
