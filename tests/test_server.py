@@ -5,7 +5,9 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
+import os
 import re
 import threading
 import time
@@ -15,6 +17,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from bench.server_soak import rss_mb, soak
 from conftest import TINY
 from fastapi.testclient import TestClient
 
@@ -627,3 +630,38 @@ def test_best_of_equal_to_n_is_accepted(served):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     r = httpx.post(f"{served[0]}/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2, "best_of": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+
+
+def test_no_combination_of_logit_processors_compiles_while_serving(served):
+    """After start-up, requests with any combination of logit processors and logprobs, beside a
+    plain stream, run on programs compiled at start-up: the live batch never stops for a compile."""
+    url, llm, client = served
+    programs = len(llm.engine.executables)
+    fields = {"min_p": {"min_p": 0.1}, "bias": {"logit_bias": {"7": -100.0}}, "min_tokens": {"min_tokens": 2},
+              "penalties": {"repetition_penalty": 1.2}, "bad_words": {"bad_words": ["return x"]},
+              "logprobs": {"logprobs": 2}}
+    combos = [dict(kv for name in names for kv in fields[name].items())
+              for r in (1, 2, 5) for names in itertools.combinations(sorted(fields), r)]
+    plain = threading.Thread(target=lambda: client.completions.create(model="tiny", prompt="x", max_tokens=60,
+                                                                      temperature=0, extra_body={"ignore_eos": True}))
+    plain.start()
+    for extra in combos:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "def f(", "max_tokens": 3, "temperature": 0.5,
+                                                      **extra}, timeout=300)
+        assert r.status_code == 200, r.text
+    plain.join(timeout=300)
+    assert len(llm.engine.executables) == programs
+
+
+def test_soak_short_form(served):
+    """bench.server_soak's load mix in 10 short rounds with dropped clients: every request not
+    dropped completes (no 5xx, every stream ends with [DONE]), greedy and seeded outputs are the
+    same every round, and nothing compiles after the first round, so memory stays flat."""
+    url, llm, _ = served
+    rows = soak(url, rounds=10, requests=14, clients=4, drop_every=5,
+                probe=lambda: {"rss_mb": rss_mb(os.getpid()), "programs": len(llm.engine.executables)})
+    for row in rows:
+        assert row["completed"] + row["dropped"] == row["requests"] and row["dropped"] == 2, row
+        assert row["mismatches"] == 0 and row["compared"] == (12 if row["round"] > 1 else 0), row
+    assert len({row["programs"] for row in rows}) == 1, [row["programs"] for row in rows]
+    print("RSS per round (MB):", [round(row["rss_mb"]) for row in rows])

@@ -7,6 +7,10 @@ executable as `LLM.generate`, `steps_per_chunk` steps per call, and hands each r
 tokens after every call. A finished or cancelled request frees its slot for the next waiting
 one. Speculation works per slot as in `LLM.generate`: its counters restart with each insert.
 
+The live batch has two layouts: plain, and full (every logit processor and MAX_LOGPROBS logprobs
+per token), worn while any of its requests uses a processor or asks for logprobs. `warm_up`
+compiles both, so no request waits for the live batch's programs to compile.
+
 One background thread owns the device. Callers talk to it through a thread-safe inbox
 (`submit`, `cancel`) and hear back through a per-request `sink(Update)` called on that thread.
 
@@ -35,8 +39,11 @@ from spec_jax.api.batching import processors_needed
 from spec_jax.api.llm import LLM, SamplingParams
 from spec_jax.api.metrics import request_metrics
 from spec_jax.api.params import MAX_LOGPROBS, Logprob, logprob_entries
+from spec_jax.engine.sampling import RowSampling
 
 MAX_STOP_TOKEN_IDS = 16  # per request besides EOS: the live batch's stop_ids width is fixed
+# The full layout's logit processors: all of `RowSampling`'s optional fields.
+EVERY_PROCESSOR = frozenset(f.name for f in dataclasses.fields(RowSampling) if f.default is None)
 log = logging.getLogger(__name__)
 
 
@@ -88,8 +95,7 @@ def recent(buffers, start: jax.Array, width: int):
 class Scheduler:
     """Continuous batching over `llm.engine.max_num_seqs` slots, with `steps_per_chunk` decode
     steps per device call, 1 to max_model_len (more: less dispatch overhead, coarser streaming).
-    The live batch carries the logit processors and logprobs its requests use, and no others
-    (`Engine.with_processors`)."""
+    The live batch wears the plain or the full layout (`_fit_layout`)."""
 
     def __init__(self, llm: LLM, *, steps_per_chunk: int = 4):
         if isinstance(steps_per_chunk, bool) or not isinstance(steps_per_chunk, int) \
@@ -107,8 +113,7 @@ class Scheduler:
         self.window = steps_per_chunk * (self.k + 1) + 1  # most tokens a row can gain per call
         self.stop_width = MAX_STOP_TOKEN_IDS + len(llm.cfg.eos_token_id)
         self.slots: list[Request | None] = [None] * self.engine.max_num_seqs
-        self.processors: frozenset[str] = frozenset()  # what the live batch carries
-        self.keeps_logprobs = False
+        self.full = False  # the live batch's layout: full, or plain
         self.waiting: collections.deque[Request] = collections.deque()
         self.inbox: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
@@ -132,14 +137,14 @@ class Scheduler:
         self.thread.join()
 
     def warm_up(self) -> None:
-        """Compile the common executables before serving: the shortest prompt bucket, greedy and
-        sampled (OpenAI's default temperature is 1). A program that fails raises RuntimeError with
-        its error."""
-        for temperature in (0.0, 1.0):
-            params = SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True)
-            for update in self.stream([0], params):
-                if update.error is not None:
-                    raise RuntimeError(f"warm-up failed: {update.error}")
+        """Compile what the live batch runs, before serving: both layouts, greedy and sampled, for
+        the shortest prompt bucket. A program that fails raises RuntimeError with its error."""
+        for logprobs in (None, 0):  # a request asking for logprobs puts the batch in the full layout
+            for temperature in (0.0, 1.0):
+                params = SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True, logprobs=logprobs)
+                for update in self.stream([0], params):
+                    if update.error is not None:
+                        raise RuntimeError(f"warm-up failed: {update.error}")
         self.reset_counters()
 
     def request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -224,7 +229,7 @@ class Scheduler:
 
     def _empty_state(self):
         """A live batch whose rows are all done: a prefill of one-token dummies that stop at once."""
-        self.processors, self.keeps_logprobs = frozenset(), False
+        self.full = False
         dummy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         B = len(self.slots)
         state, _, _ = self.llm.start_batch([[0]] * B, [dummy] * B, stop_width=self.stop_width,
@@ -266,10 +271,10 @@ class Scheduler:
             req.t_admit = time.perf_counter()
             try:
                 self._fit_layout(joining=req)
+                processors, num_logprobs = self._layout()
                 row, _, stops = self.llm.start_batch([req.prompt_token_ids], [req.params], stop_width=self.stop_width,
-                                                      do_sample=self.always_sample or None,
-                                                      processors=self.processors, num_logprobs=self._num_logprobs(),
-                                                      rows=1)
+                                                      do_sample=self.always_sample or None, processors=processors,
+                                                      num_logprobs=num_logprobs, rows=1)
             except Exception as e:  # e.g. a prompt bucket that fails to compile: this request only
                 log.exception("prefill failed")
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
@@ -285,18 +290,19 @@ class Scheduler:
                 self.queued -= 1
                 self.counters["prompt_tokens"] += len(req.prompt_token_ids)
 
-    def _num_logprobs(self) -> int | None:
-        return MAX_LOGPROBS if self.keeps_logprobs else None
+    def _layout(self) -> tuple[frozenset[str], int | None]:
+        """The live batch's logit processors and logprobs kept per token (None: none)."""
+        return (EVERY_PROCESSOR, MAX_LOGPROBS) if self.full else (frozenset(), None)
 
     def _fit_layout(self, joining: Request | None = None) -> None:
-        """Give the live batch the logit processors and logprobs its requests (and `joining`,
-        about to be inserted) use: widened for a newcomer, narrowed when the last user leaves."""
+        """Put the live batch in the full layout while one of its requests (or `joining`, about to
+        be inserted) uses a logit processor or asks for logprobs, else in the plain one. Rows that
+        use less than the layout carries hold neutral values: their tokens are the same."""
         requests = [r for r in self.slots if r is not None] + ([joining] if joining is not None else [])
-        processors = frozenset().union(*(r.processors for r in requests))
-        logprobs = any(r.params.logprobs is not None for r in requests)
-        if (processors, logprobs) != (self.processors, self.keeps_logprobs):
-            self.processors, self.keeps_logprobs = processors, logprobs
-            self.state = self.engine.with_processors(self.state, processors, self._num_logprobs())
+        full = any(r.processors or r.params.logprobs is not None for r in requests)
+        if full != self.full:
+            self.full = full
+            self.state = self.engine.with_processors(self.state, *self._layout())
 
     def _run_chunk(self) -> None:
         """Run steps_per_chunk steps over the live batch, then hand out new tokens and finish
