@@ -534,10 +534,14 @@ class Engine:
         return bucket(n, CHUNK, self.cache_len)
 
     def _compiled(self, name, fn, *args, static=(), donate=(), options=None):
-        """AOT-compile `fn(model, draft, *args)` once per (name, shapes, static) and run it.
-        options: XLA options of this program, under the engine's `compiler_options`."""
+        """AOT-compile `fn(model, draft, *args)` once per (name, shapes, static) and run it; over a
+        mesh, once per shardings too: the same state may come sharded two ways (its processors'
+        fields made by `with_processors`, or by a program), and a program runs only the shardings
+        it was compiled for. options: XLA options of this program, under the engine's `compiler_options`."""
         leaves, structure = jax.tree.flatten(args)
         key = (name, structure, tuple((a.shape, a.dtype) for a in leaves), static)
+        if self.mesh is not None:
+            key += (tuple(getattr(a, "sharding", None) for a in leaves),)
         if key not in self.executables:
             t0 = time.perf_counter()
             self.executables[key] = self._compile(name, fn, args, donate, options)
