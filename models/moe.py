@@ -19,6 +19,18 @@ from models.layers import MLP, Linear, fuse_linears, project, zeros_param
 from pallas_kernels.expert_matmul import expert_swiglu
 
 
+def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
+    """Each token's top k experts and their weights: logits [N, E] -> (weights [N, k] float32,
+    ids [N, k]). Softmax probabilities renormalised over the top k are the softmax of the top k
+    logits (the other experts' terms cancel), so then no softmax over all E is computed; the
+    softmax is monotonic, so the logits rank the experts as the probabilities do."""
+    logits = logits.astype(jnp.float32)
+    if renormalise:
+        top, idx = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), idx
+    return jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+
+
 class Experts(nnx.Module):
     """Routed experts, fused as in the checkpoint: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
 
@@ -70,10 +82,7 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits, shared_gate = project(self, self.ROUTER, x)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, idx = jax.lax.top_k(probs, self.cfg.num_experts_per_tok)
-        if self.cfg.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights, idx = route(logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
         if self.shared_expert is None:  # folded in as expert E (`join_router_and_shared_expert`)
             idx = jnp.concatenate([idx, jnp.full((x.shape[0], 1), self.cfg.num_experts, idx.dtype)], axis=-1)
             weights = jnp.concatenate([weights, jax.nn.sigmoid(shared_gate.astype(jnp.float32))], axis=-1)

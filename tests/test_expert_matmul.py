@@ -5,6 +5,7 @@ and T = 2,048); and the grouped path's program holding nothing of pairs x expert
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -119,8 +120,6 @@ def test_the_grouped_program_holds_nothing_of_pairs_times_experts():
     """At 35B-A3B's expert shape (256 experts, H 2048, I 512, top 8), a 2,048-token prefill's
     program: no buffer near pairs x experts x hidden (32,768 x 256 x 2,048); the largest is the
     weight stack itself or a rows x hidden activation."""
-    import jax
-
     E, H, inner, N, k = 256, 2048, 512, 2048, 8
     spec = lambda *s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)  # noqa: E731
     shapes = (spec(N, H), spec(E, 2 * inner, H), spec(E, H, inner), spec(N, k, d=jnp.int32), spec(N, k))
@@ -143,3 +142,19 @@ def test_kernel_shapes():
     _, gate_up, down, *_ = random_experts(1, 2)
     assert kernel_fits(gate_up, down, SMALL)
     assert not kernel_fits(gate_up[:, :48], down, SMALL)  # 2I = 48 is no power of two
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_routing_matches_softmax_then_top_k(renormalise):
+    """HF's rule: softmax over all experts, top k, renormalised over them when norm_topk_prob."""
+    from models.moe import route
+
+    logits = jnp.asarray(np.random.default_rng(9).normal(size=(33, 16)) * 3, jnp.float32)
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+    want_ids = np.argsort(-probs, axis=-1)[:, :4]
+    want = np.take_along_axis(probs, want_ids, axis=-1)
+    if renormalise:
+        want = want / want.sum(-1, keepdims=True)
+    weights, ids = route(logits, 4, renormalise)
+    assert (np.asarray(ids) == want_ids).all()
+    np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
