@@ -74,7 +74,9 @@ def group_by_expert(ids: jax.Array, experts: int, block_m: int) -> Groups:
     pair_row = jnp.zeros(pairs, jnp.int32).at[order].set(row)
     row_pair = jnp.full(tiles * block_m, pairs, jnp.int32).at[row].set(order.astype(jnp.int32))
     t = jnp.arange(tiles, dtype=jnp.int32)
-    tile_expert = jnp.searchsorted(jnp.cumsum(expert_tiles), t, side="right").astype(jnp.int32)
+    # compare_all: one fused [tiles, E] comparison rather than log2(E) dependent gathers
+    tile_expert = jnp.searchsorted(jnp.cumsum(expert_tiles), t, side="right", method="compare_all")
+    tile_expert = tile_expert.astype(jnp.int32)
     tile_expert = jnp.where(t < jnp.sum(expert_tiles), tile_expert, -1)
     return Groups(tile_expert, row_pair, pair_row)
 
