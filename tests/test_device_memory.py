@@ -74,3 +74,12 @@ def test_without_an_argument_only_jaxs_own_default_is_warned_of(monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="spec_jax"):
         assert memory.claim_device_memory(None) == float(share or memory.JAX_DEFAULT_SHARE)
     assert ("cannot take effect" in caplog.text) == warned
+
+
+def test_importing_the_package_starts_no_backend():
+    """The share is set when LLM is built: importing the package and its front ends must not
+    start JAX's backend first (it would fix the allocator's share at JAX's default)."""
+    code = ("import spec_jax, spec_jax.api.cli, spec_jax.api.server, bench.models; "
+            "from jax._src import xla_bridge; print(xla_bridge.backends_are_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
