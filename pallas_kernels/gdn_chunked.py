@@ -273,7 +273,29 @@ def gdn_chunked(q, k, v, g, beta, state):
 
 def _gdn_chunked_local(q, k, v, g, beta, state):
     if jax.default_backend() == "gpu" and kernel_fits(q, v):
-        operands = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
-        return gdn_chunked_pallas(q, k, v, g, beta, state, operands=operands, out_dtype=v.dtype)
+        return _kernel_with_reference_gradient(q, k, v, g, beta, state)
+    return _reference_in_v_dtype(q, k, v, g, beta, state)
+
+
+def _reference_in_v_dtype(q, k, v, g, beta, state):
     o, final = gdn_chunked_reference(q, k, v, g, beta, state)
     return o.astype(v.dtype), final
+
+
+def _kernel(q, k, v, g, beta, state):
+    operands = jnp.bfloat16 if v.dtype == jnp.bfloat16 else jnp.float32
+    return gdn_chunked_pallas(q, k, v, g, beta, state, operands=operands, out_dtype=v.dtype)
+
+
+def _kernel_forward(*inputs):
+    return _kernel(*inputs), inputs
+
+
+def _reference_backward(inputs, cotangents):
+    return jax.vjp(_reference_in_v_dtype, *inputs)[1](cotangents)
+
+
+# The Pallas kernels forward, the reference's gradient backward: the kernels have no reverse-mode
+# rule, and training differentiates the target's forward.
+_kernel_with_reference_gradient = jax.custom_vjp(_kernel)
+_kernel_with_reference_gradient.defvjp(_kernel_forward, _reference_backward)

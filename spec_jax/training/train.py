@@ -41,9 +41,7 @@ from models.dflash import DFlashDraft
 from models.eagle3 import Eagle3Draft
 from models.layers import KVCache, attend_masked
 from models.qwen3 import Qwen3Model
-import models.qwen3_5
 from models.qwen3_5 import Qwen3_5Model, init_mtp_cache
-from pallas_kernels.gdn_chunked import gdn_chunked_reference
 from spec_jax.training import export
 from spec_jax.training.corpus import EOS, KINDS, MASK, Corpus, build_corpus, load_corpus
 from spec_jax.training.data import Windows, full_batch, greedy_continue, heldout_windows
@@ -53,14 +51,6 @@ from spec_jax.training.geometry import (count_params, dflash_config, draft_confi
 STAGES = ("target", "dflash", "eagle3", "draft")
 
 
-def differentiable_gdn(q, k, v, g, beta, state):
-    """The chunked gated delta rule in pure JAX: training differentiates the target's forward, and
-    the Pallas kernels `gdn_chunked` dispatches to on a GPU have no reverse-mode rule."""
-    o, final = gdn_chunked_reference(q, k, v, g, beta, state)
-    return o.astype(v.dtype), final
-
-
-models.qwen3_5.gdn_chunked = differentiable_gdn  # the model's whole-chunk rule, for every forward run here
 STAGE_OVERHEAD_S = 35  # a stage's compilation, evaluations and export, outside its training budget
 
 
