@@ -197,8 +197,9 @@ def fuse_linears(module: nnx.Module, names: tuple[str, ...]) -> None:
         if biases:
             biases.append(jnp.zeros(extra, biases[0].dtype))
     bias = group_by_device(biases, shards, axis=-1) if biases else None
-    module.fused = Linear.of(group_by_device(weights, shards, axis=-2), bias)
-    module.fused.split, module.fused.shards = parts[0].split, shards
+    fused = Linear.of(group_by_device(weights, shards, axis=-2), bias)
+    fused.split, fused.shards = parts[0].split, shards
+    module.fused = fused
     module.fused_sizes = tuple(p.weight.shape[0] for p in parts)
     for n in names:
         setattr(module, n, None)

@@ -465,12 +465,13 @@ class MTPHead(nnx.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layer = nnx.data(None)  # the block with its own arrays, after `use_decode_layout`
 
-    def use_decode_layout(self) -> None:
-        """The block's weights as arrays of their own, projections joined (see
+    def use_decode_layout(self, fuse: bool = True) -> None:
+        """The block's weights as arrays of their own, projections joined unless not `fuse` (see
         `Qwen3_5Model.use_decode_layout`)."""
         if self.layer is None:
             self.layer = unstack_layers(self, "layers")[0][0]
-            self.layer.fuse_projections()
+            if fuse:
+                self.layer.fuse_projections()
 
     def __call__(self, embedded_next, hidden, batch: Batch, cache: KVCache, kv_len: int):
         """embedded_next: [B, T, H] embeddings of tokens p+1; hidden: [B, T, H] the target's
@@ -504,19 +505,19 @@ class Qwen3_5Model(nnx.Module):
         self.mtp = MTPHead(cfg, dtype=dtype) if cfg.mtp_num_hidden_layers else None
         self.shards = 1  # static: tensor-parallel devices (`models/tensor_parallel.py`)
 
-    def use_decode_layout(self) -> None:
+    def use_decode_layout(self, fuse: bool = True) -> None:
         """Switch to the decode layout: every layer's weights (and the MTP block's) become arrays
         of their own and the layers run unrolled, so no step copies a weight out of a stack
-        (`unstack_layers`); projections that read the same input are joined into one matmul
-        (`fuse_linears`). Loaders and converters read and write the stacked layout; the engine
-        calls this on the GPU. In place; a second call does nothing."""
+        (`unstack_layers`); with `fuse`, projections that read the same input are joined into one
+        matmul (`fuse_linears`). Loaders and converters read and write the stacked layout; the
+        engine calls this on the GPU. In place; a second call does nothing."""
         if self.groups is None:
             self.groups = unstack_layers(self, "layers")
-            for layers in self.groups:
+            for layers in self.groups if fuse else ():
                 for layer in layers:
                     layer.fuse_projections()
         if self.mtp is not None:
-            self.mtp.use_decode_layout()
+            self.mtp.use_decode_layout(fuse)
 
     def init_cache(self, batch: int, max_len: int) -> ModelCache:
         """Empty caches for `batch` rows of up to `max_len` tokens (see `init_cache`)."""
