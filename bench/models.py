@@ -25,7 +25,7 @@ from flax import nnx
 
 from models.layers import Linear, quantize_linears
 from models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
-from spec_jax.engine.steps import default_decode_layout
+from spec_jax.engine.config import default_decode_layout
 from spec_jax.loading.source import param_sources
 from spec_jax.writing.random_checkpoint import init_rule, random_drafter_config
 

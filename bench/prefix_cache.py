@@ -39,21 +39,17 @@ def ttft_s(llm: LLM, ids: list[int]) -> float:
 def hit_parts(llm: LLM, ids: list[int]) -> dict:
     """Where a hit's time goes: the prefill call as a whole, and inside it each engine program
     (empty row, restores, block passes, start_decode), waited for one by one."""
-    engine, seconds, calls = llm.engine, collections.defaultdict(float), collections.Counter()
-    run = engine._compiled
+    seconds, calls = collections.defaultdict(float), collections.Counter()
 
-    def timed(name, *args, **kwargs):
+    def timed(name, call):
         t = time.perf_counter()
-        out = jax.block_until_ready(run(name, *args, **kwargs))
+        out = jax.block_until_ready(call())
         seconds[name] += time.perf_counter() - t
         calls[name] += 1
         return out
 
-    engine._compiled = timed
-    try:
+    with llm.engine.runner.watching(timed):
         whole = ttft_s(llm, ids)
-    finally:
-        del engine._compiled
     return {"whole_s": whole, "programs": {name: {"calls": calls[name], "s": seconds[name]} for name in seconds}}
 
 

@@ -37,23 +37,12 @@ from bench.common import Ceilings, peak_memory_GB
 from bench.models import (GEOMETRIES, active_params, expert_bytes, geometry_config, nbytes, random_drafter,
                           random_model, random_prompts, streamed_bytes)
 from bench.step_profile import busy_ns, summarize, trace_calls
-from models import qwen3_5
 from pallas_kernels.quant_formats import FORMATS
 from proposers.ngram import NgramProposer
 from spec_jax import LLM, SamplingParams
+from spec_jax.engine.config import LAYOUTS
 from spec_jax.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, claim_device_memory
-
-LAYOUTS = ("decode", "unfused", "rolled")
-
-
-def use_layout(layout: str) -> None:
-    """A benchmark knob, set before the LLM is built: "decode" is the engine's GPU default
-    (`use_decode_layout`: unstacked, unrolled, projections joined); "unfused" the same with every
-    projection its own matmul; "rolled" keeps the loaded [G, ...] stacks under a rolled scan."""
-    if layout == "unfused":
-        qwen3_5.DecoderLayer.fuse_projections = lambda self: None
-    elif layout == "rolled":
-        qwen3_5.Qwen3_5Model.use_decode_layout = lambda self: None
+from spec_jax.engine.spec_config import ACTED_FIELDS
 
 
 def decode_rows(llm: LLM, batches, prompt_len: int, new_tokens: int, step_bytes, ceilings: Ceilings) -> list[dict]:
@@ -109,15 +98,10 @@ class NgramAlwaysDrafting(NgramProposer):
         return jnp.where(missed[:, None], newest[:, None], drafts), jnp.where(missed, self.k, n_draft), q, state
 
 
-def always_drafting(llm: LLM) -> None:
-    """Swap a speculating ngram `llm`'s proposer (or the one its synthetic acceptance wraps) for
-    `NgramAlwaysDrafting`, before it compiles."""
-    plan = llm.engine.plan
-    wrapped = hasattr(plan.proposer, "inner")  # under synthetic acceptance
-    inner = plan.proposer.inner if wrapped else plan.proposer
-    always = NgramAlwaysDrafting(**{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)})
-    proposer = dataclasses.replace(plan.proposer, inner=always) if wrapped else always
-    llm.engine.plan = dataclasses.replace(plan, proposer=proposer)
+def always_drafting(config: dict) -> NgramAlwaysDrafting:
+    """The `NgramAlwaysDrafting` proposer of an ngram speculative config."""
+    return NgramAlwaysDrafting(config["num_speculative_tokens"], config["prompt_lookup_min"],
+                               config["prompt_lookup_max"])
 
 
 def synthetic(config: dict, a: float) -> dict:
@@ -128,12 +112,12 @@ def synthetic(config: dict, a: float) -> dict:
             "synthetic_acceptance_rates": [a ** (i + 1) for i in range(k)]}
 
 
-def set_acceptance(llm: LLM, a: float) -> None:
-    """Dial a speculating `llm` to acceptance a without recompiling: the rates are prefill data
-    (`SyntheticAcceptance.reference`), so the compiled executables serve any rates."""
-    plan = llm.engine.plan
-    rates = (a,) * plan.k  # conditional: a at every position
-    llm.engine.plan = dataclasses.replace(plan, proposer=dataclasses.replace(plan.proposer, rates=rates))
+def at_acceptance(llm: LLM, a: float) -> LLM:
+    """A speculating `llm` dialled to acceptance a without recompiling: the rates are data, so
+    `with_speculation` keeps its drafter, proposer and programs."""
+    spec = llm.speculative_config
+    config = {name: getattr(spec, name) for name in ACTED_FIELDS if name != "synthetic_acceptance_length"}
+    return llm.with_speculation(synthetic(config, a), rollback=llm.engine.config.rollback)
 
 
 def bound(a: float, k: int, c: float) -> float:
@@ -154,7 +138,7 @@ def spec_rows(llm: LLM, name: str, batch: int, accept: list[float], prompt_len: 
     prompts = random_prompts(llm.cfg, batch, prompt_len)
     rows, c = [], None
     for i, a in enumerate([0.0, *([] if name == "no_drafts" else accept)]):
-        set_acceptance(llm, a)
+        llm = at_acceptance(llm, a)
         params = SamplingParams(max_tokens=cost_tokens if i == 0 else new_tokens, temperature=0.0, ignore_eos=True,
                                 speculative=name != "no_drafts")
         t = time.perf_counter()
@@ -202,13 +186,13 @@ def first_token(llm: LLM, prompt_len: int) -> dict:
             PROCESS_START}
 
 
-def ttft_rows(model, lengths: list[int], ceilings: Ceilings) -> list[dict]:
+def ttft_rows(model, lengths: list[int], ceilings: Ceilings, layout: str) -> list[dict]:
     """Prefill time of one prompt of each length (second run), against its floor: the larger of
     2 x active decoder-layer params x tokens at the measured matmul rate (prefill runs every layer
     over every token, the lm_head over the last one only) and, of a MoE model, every expert's bytes
     read once at the measured copy rate. Its own LLM, so the decode figures keep their short cache."""
     params_count, experts = active_params(model), expert_bytes(model)
-    llm = LLM(model=model, max_model_len=max(lengths) + 64, max_num_seqs=1)
+    llm = LLM(model=model, max_model_len=max(lengths) + 64, max_num_seqs=1, layout=layout)
     rows = []
     for n in lengths:
         prompts = random_prompts(llm.cfg, 1, n)
@@ -301,7 +285,6 @@ def main() -> None:
     claim_device_memory(args.gpu_memory_utilization)  # before the weights start the backend
     ceilings = Ceilings.measure()
     print(ceilings.summary(), flush=True)
-    use_layout(args.layout)
     cfg = geometry_config(args.geometry, args.layers)
     t = time.perf_counter()
     model = random_model(cfg, quantization=args.quantization)
@@ -311,7 +294,7 @@ def main() -> None:
     save = lambda: args.json and pathlib.Path(args.json).write_text(json.dumps(result, indent=1))  # noqa: E731
     llm = LLM(model=model, max_model_len=args.max_model_len or args.prompt_len + max(args.new_tokens,
                                                                                    args.spec_new_tokens) + 64,
-              max_num_seqs=max(args.batch, default=1))
+              max_num_seqs=max(args.batch, default=1), layout=args.layout)
     if args.first_token:
         result["first_token"] = first_token(llm, args.prompt_len)
         print(json.dumps(result["first_token"]), flush=True)
@@ -336,18 +319,16 @@ def main() -> None:
             config["draft_vocab_size"] = min(config["draft_vocab_size"], cfg.vocab_size // 2)
         key = json.dumps(config, sort_keys=True) if draft is None else name
         if key not in compiled:
-            compiled[key] = llm.with_speculation(synthetic(config, 0.0), draft=draft)
-            if config["method"] == "ngram":
-                always_drafting(compiled[key])
+            proposer = always_drafting(config) if config["method"] == "ngram" else None
+            compiled[key] = llm.with_speculation(synthetic(config, 0.0), draft=draft, proposer=proposer)
         spec = compiled[key]
         result["memory"][name] = method_memory(spec, draft)
         for B in args.batch:
             result["methods"] += spec_rows(spec, name, B, args.acceptance, args.prompt_len, args.spec_new_tokens,
                                            plain_ms[B], args.cost_tokens)
             if args.profile:
-                set_acceptance(spec, 0.0)
                 prof = result.setdefault("method_profiles", {})[f"{name} B={B}"] = profile_decode(
-                    spec, B, args.prompt_len, args.steps)
+                    at_acceptance(spec, 0.0), B, args.prompt_len, args.steps)
                 print(f"{name}, batch {B}, speculative steps at a = 0:")
                 print_profile(prof, top=12)
             save()
@@ -357,7 +338,7 @@ def main() -> None:
     print_methods(result)
     if args.ttft:
         del llm
-        result["ttft"] = ttft_rows(model, args.ttft, ceilings)
+        result["ttft"] = ttft_rows(model, args.ttft, ceilings, args.layout)
         save()
 
 

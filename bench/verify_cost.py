@@ -19,7 +19,7 @@ from bench.models import GEOMETRIES, add_layout_flag, geometry_config, layout_na
 from models.layers import Batch
 from models.qwen3_5 import init_cache
 from pallas_kernels.quant_formats import FORMATS
-from spec_jax.engine.steps import default_decode_layout
+from spec_jax.engine.config import default_decode_layout
 
 
 def timed(fn, *args, reps: int = 50) -> float:

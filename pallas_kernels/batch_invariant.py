@@ -20,7 +20,7 @@ whose order XLA cannot change: the projections and the lm_head in `fixed_order_m
 norms in `rms_norm` (each tiles the rows itself, so no padded copy of them is made), attention in
 the flash kernel (whole query blocks, one key range) and the gated delta rule in its recurrent
 kernel, whose unrolled step is the same code for every token.
-The mode is entered with `batch_invariant(rows)` around tracing, as `spec_jax.engine.steps.Engine`
+The mode is entered with `batch_invariant(rows)` around tracing, as `spec_jax.engine.runner.Runner`
 does; the layers call `row_tiled`, which is the plain call outside it.
 """
 

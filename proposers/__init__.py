@@ -2,10 +2,9 @@
 is a frozen (hashable, jit-static) dataclass meeting `Proposer`: three pure methods, all run
 inside the jitted speculative step:
 
-    init_state(model, draft, tokens, lengths, target, choose, reference) -> state
+    init_state(model, draft, tokens, lengths, target, choose) -> state
         after prefill: tokens [B, L] buffer, lengths [B], target: the prompt's `ForwardOut`
-        (post-norm hidden [B, T, H], and the layer taps the proposer's `taps` field asks for),
-        reference [B, L] (oracle only, else None).
+        (post-norm hidden [B, T, H], and the layer taps the proposer's `taps` field asks for).
     propose(model, draft, state, tokens, lengths, choose) -> (drafts [B, k], n_draft [B], q | None, state)
         q [B, k, V] are the draft probabilities when drafting is probabilistic, else None
         (the verifier then treats q as one-hot on the drafted token).
@@ -30,13 +29,14 @@ Choose = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array | None]]
 
 class Proposer(Protocol):
     """What the engine's speculative step calls (see above for shapes). Optional attributes:
-    `taps` (target layers whose outputs `ForwardOut.taps` carries) and `may_not_draft` (a step
-    can come up with no draft in any row, so the step compiles a one-token branch too)."""
+    `taps` (target layers whose outputs `ForwardOut.taps` carries), `may_not_draft` (a step
+    can come up with no draft in any row, so the step compiles a one-token branch too) and
+    `with_continuation(state, tokens [B, L]) -> state` (the benchmarks' oracle: it drafts from the
+    target's own continuation, which the engine runs and hands it after prefill)."""
 
     k: int
 
-    def init_state(self, model, draft, tokens: jax.Array, lengths: jax.Array, target, choose: Choose,
-                   reference: jax.Array | None = None) -> Any: ...
+    def init_state(self, model, draft, tokens: jax.Array, lengths: jax.Array, target, choose: Choose) -> Any: ...
 
     def propose(self, model, draft, state: Any, tokens: jax.Array, lengths: jax.Array,
                 choose: Choose) -> tuple[jax.Array, jax.Array, jax.Array | None, Any]: ...

@@ -78,8 +78,7 @@ class ChainedHeadProposer(abc.ABC):
         token, q = choose(self.logits(model, draft, last), positions)
         return ChainedHeadState(cache, token, last, q)
 
-    def init_state(self, model, draft, tokens, lengths, target: ForwardOut, choose,
-                   reference=None) -> ChainedHeadState:
+    def init_state(self, model, draft, tokens, lengths, target: ForwardOut, choose) -> ChainedHeadState:
         T = target.hidden.shape[1]
         next_tokens = jnp.pad(tokens, ((0, 0), (0, 1)))[:, 1 : T + 1]  # draft row p reads token p+1
         cache = self.init_cache(model, draft, tokens.shape[0], tokens.shape[1])

@@ -54,7 +54,7 @@ class DFlashProposer:
         return KVCache(cache.k.at[:, rows, pos].set(k.astype(cache.k.dtype), mode="drop"),
                        cache.v.at[:, rows, pos].set(v.astype(cache.v.dtype), mode="drop"))
 
-    def init_state(self, model, draft, tokens, lengths, target: ForwardOut, choose, reference=None) -> KVCache:
+    def init_state(self, model, draft, tokens, lengths, target: ForwardOut, choose) -> KVCache:
         cache = draft.init_cache(tokens.shape[0], tokens.shape[1])
         return self._write_context(draft, cache, target.taps, jnp.zeros_like(lengths))
 

@@ -44,7 +44,7 @@ class DraftModelProposer:
     k: int
     cache_len: int
 
-    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None) -> DraftState:
+    def init_state(self, model, draft, tokens, lengths, target, choose) -> DraftState:
         T = target.hidden.shape[1]  # the prompt bucket
         cache = draft.init_cache(tokens.shape[0], self.cache_len)
         cache = draft(tokens[:, :T], Batch(jnp.zeros_like(lengths), lengths - 1), cache, kv_len=T).cache

@@ -75,7 +75,7 @@ class NgramProposer:
     n_max: int
     may_not_draft = True  # a step can find no match in any row: the engine then skips the verify
 
-    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None):
+    def init_state(self, model, draft, tokens, lengths, target, choose):
         return ()
 
     def propose(self, model, draft, state, tokens, lengths, choose):

@@ -1,7 +1,11 @@
-"""Oracle drafting, for benchmarks only: it proposes the target's own greedy continuation,
-each token replaced by a wrong one with probability `corruption_rate`, so speed can be measured
-at a controlled acceptance rate without trained draft weights. Drafting costs nothing, so it
-also gives the ceiling a real proposer with that acceptance could reach."""
+"""Oracle drafting, for benchmarks only: it proposes the target's own continuation, each token
+replaced by a wrong one with probability `corruption_rate`, so speed can be measured at a
+controlled acceptance rate without trained draft weights. Drafting costs nothing, so it also gives
+the ceiling a real proposer with that acceptance could reach.
+
+The continuation is data, not computed here: `init_state` makes room for it ([B, L], the token
+buffer's shape) and the engine fills it after prefill (`with_continuation`) with a plain run of
+the target on the same prompts."""
 
 from __future__ import annotations
 
@@ -10,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,10 +23,12 @@ class OracleProposer:
     vocab_size: int
     seed: int = 0
 
-    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None):
-        if reference is None:
-            raise ValueError("the oracle proposer needs the target's greedy continuation (reference tokens)")
-        return reference  # [B, L]: each row's greedy continuation, indexed like the token buffer
+    def init_state(self, model, draft, tokens, lengths, target, choose):
+        return jnp.zeros_like(tokens)  # [B, L]: each row's continuation, indexed like the token buffer
+
+    @staticmethod
+    def with_continuation(state, continuation):
+        return continuation
 
     def propose(self, model, draft, reference, tokens, lengths, choose):
         B, L = reference.shape
@@ -41,11 +46,14 @@ class OracleProposer:
 
 
 @dataclasses.dataclass(frozen=True)
-class InnerProposer:
-    """A benchmark wrapper around a real proposer, which keeps drafting and updating at its full
-    cost: the state is (the inner proposer's state, the wrapper's own data)."""
+class OracleTokens:
+    """Benchmarks only: a real proposer (`inner`) runs every step (its whole cost, its own state
+    kept in step with what the target emits) but the oracle's tokens are verified in its place, so
+    a drafter's speed can be measured at a chosen acceptance before it is trained. The state is
+    (the inner proposer's state, the oracle's continuation)."""
 
     inner: Any
+    oracle: OracleProposer
 
     @property
     def k(self) -> int:
@@ -59,22 +67,13 @@ class InnerProposer:
     def may_not_draft(self) -> bool:
         return getattr(self.inner, "may_not_draft", False)
 
-    def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
-        inner_state, own = state
-        return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), own
-
-
-@dataclasses.dataclass(frozen=True)
-class OracleTokens(InnerProposer):
-    """Benchmarks only: a real proposer runs every step (its whole cost, its own state kept in
-    step with what the target emits) but the oracle's tokens are verified in its place, so a
-    drafter's speed can be measured at a chosen acceptance before it is trained."""
-
-    oracle: OracleProposer | None = None
-
-    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None):
+    def init_state(self, model, draft, tokens, lengths, target, choose):
         return (self.inner.init_state(model, draft, tokens, lengths, target, choose),
-                self.oracle.init_state(model, draft, tokens, lengths, target, choose, reference))
+                self.oracle.init_state(model, draft, tokens, lengths, target, choose))
+
+    @staticmethod
+    def with_continuation(state, continuation):
+        return state[0], continuation
 
     def propose(self, model, draft, state, tokens, lengths, choose):
         inner_state, reference = state
@@ -84,38 +83,6 @@ class OracleTokens(InnerProposer):
         drafts = jnp.where(own < 0, own, drafts)
         return drafts, n_draft, None, (inner_state, reference)
 
-
-@dataclasses.dataclass(frozen=True)
-class SyntheticAcceptance(InnerProposer):
-    """vLLM's "synthetic" rejection (benchmarks): the inner proposer drafts at its full cost and
-    the target verifies its drafts in the usual pass, but draft i is accepted with a dialled
-    probability (given that the drafts before it were) instead of by comparison with the target;
-    the token after the accepted drafts is the target's own. Every cache and the inner proposer
-    commit what was accepted, as in a real run, so a method's speed at any acceptance can be
-    measured before its drafter is trained, and no near-tie can knock the run off its rate.
-
-    The engine accepts by `spec_jax.engine.sampling.accept_synthetic` when its proposer is this. The
-    conditional rates reach the device at prefill as data (`reference` [B, k]), not as
-    constants, so one executable serves every rate.
-    """
-
-    rates: tuple[float, ...] = ()  # conditional acceptance probability per draft position
-
-    def reference(self, batch: int) -> np.ndarray:
-        """The prefill input: the rates of every row, [batch, k] float32."""
-        return np.tile(np.asarray(self.rates, np.float32), (batch, 1))
-
-    def init_state(self, model, draft, tokens, lengths, target, choose, reference=None):
-        if reference is None:
-            raise ValueError("synthetic acceptance needs its rates at prefill (SyntheticAcceptance.reference)")
-        return self.inner.init_state(model, draft, tokens, lengths, target, choose), reference
-
-    def propose(self, model, draft, state, tokens, lengths, choose):
-        inner_state, rates = state
-        drafts, n_draft, q, inner_state = self.inner.propose(model, draft, inner_state, tokens, lengths, choose)
-        return drafts, n_draft, q, (inner_state, rates)
-
-    @staticmethod
-    def rates_of(state) -> jax.Array:
-        """The rates [B, k] kept in the state (the engine's `accept_synthetic` reads them)."""
-        return state[1]
+    def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
+        inner_state, reference = state
+        return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), reference

@@ -16,7 +16,7 @@ from proposers.dspark import DSparkProposer
 from proposers.eagle3 import Eagle3Proposer
 from proposers.mtp import DraftVocabHead, MTPProposer
 from proposers.ngram import NgramProposer
-from proposers.oracle import OracleProposer, OracleTokens, SyntheticAcceptance
+from proposers.oracle import OracleProposer, OracleTokens
 
 
 def _block_drafter(spec, k: int, draft) -> DFlashProposer:
@@ -52,14 +52,12 @@ BUILDERS: dict[str, Callable[..., Any]] = {
 def build_proposer(spec, vocab_size: int, cache_len: int, draft=None):
     """The proposer for a parsed speculative config. `draft` is the method's network (loaded, or
     made by `target_drafter`). An `oracle_corruption_rate` on another method wraps it in
-    `OracleTokens`, synthetic rejection in `SyntheticAcceptance` (both for benchmarks)."""
+    `OracleTokens` (for benchmarks)."""
     if spec.method not in BUILDERS:
         raise ValueError(f"speculative method {spec.method!r} has no proposer; built: {', '.join(BUILDERS)}")
     proposer = BUILDERS[spec.method](spec, spec.num_speculative_tokens, draft, vocab_size, cache_len)
     if spec.method != "oracle" and spec.oracle_corruption_rate is not None:
         proposer = OracleTokens(proposer, OracleProposer(proposer.k, spec.oracle_corruption_rate, vocab_size))
-    if spec.rejection_sample_method == "synthetic":
-        proposer = SyntheticAcceptance(proposer, spec.synthetic_conditional_rates())
     return proposer
 
 

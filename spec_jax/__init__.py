@@ -21,6 +21,6 @@ def configure_logging() -> None:
 configure_logging()
 
 from spec_jax.api.llm import LLM  # noqa: E402
-from spec_jax.api.params import CompletionOutput, Logprob, RequestOutput, SamplingParams  # noqa: E402
+from spec_jax.engine.params import CompletionOutput, Logprob, RequestOutput, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -21,7 +21,7 @@ if FAST_COMPILE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once: a pyt
 
 from models.qwen3_5 import Qwen3_5Config  # noqa: E402
 from spec_jax import SamplingParams  # noqa: E402
-from spec_jax.engine.steps import enable_compilation_cache  # noqa: E402
+from spec_jax.engine.runner import enable_compilation_cache  # noqa: E402
 from spec_jax.writing.random_checkpoint import write_checkpoint  # noqa: E402
 
 # Every test shares the persistent compilation cache, not only those that build an LLM: a program

@@ -18,7 +18,8 @@ from models.tensor_parallel import make_mesh
 from spec_jax import LLM
 from spec_jax.api.cli import main
 from spec_jax.api.server import Server, build_app
-from spec_jax.engine.steps import Engine
+from spec_jax.engine.config import EngineConfig
+from spec_jax.engine.runner import Runner
 from spec_jax.loading import load_model
 from spec_jax.writing.convert import convert
 from spec_jax.writing.gguf_writer import write_gguf
@@ -86,7 +87,7 @@ def test_greedy_speculation_equals_plain_under_tp(llm2, spec, tmp_path):
 
 def test_decode_layout_joins_projections_per_device(checkpoints, one_device_logits):
     llm = LLM(str(checkpoints["moe"]), tensor_parallel_size=2, **ARGS)  # its own copy: the layout is made in place
-    engine = Engine(llm.model, max_model_len=128, max_num_seqs=1, decode_layout=True, mesh=llm.mesh)
+    engine = Runner(llm.model, None, EngineConfig(max_model_len=128, layout="decode"), llm.mesh)
     fused = llm.model.groups[0][0].linear_attn.fused.weight[...]  # [qkv | z | b | a], grouped by device
     assert {s.data.shape[0] for s in fused.addressable_shards} == {fused.shape[0] // 2}
     assert relative_error(engine.logits(IDS), one_device_logits["moe"]) < 1e-5
@@ -107,7 +108,7 @@ def test_every_format_loads_each_devices_slice(checkpoints, one_device_logits, t
         model, _ = load_model(path, "float32", mesh=mesh)
         qkv = model.layers[0].linear_attn.in_proj_qkv.weight[...]
         assert qkv.sharding.mesh == mesh and qkv.addressable_shards[0].data.shape[1] == qkv.shape[1] // 2, path
-        logits = Engine(model, max_model_len=128, max_num_seqs=1, mesh=mesh).logits(IDS)
+        logits = Runner(model, None, EngineConfig(max_model_len=128), mesh).logits(IDS)
         assert relative_error(logits, one_device_logits["dense"]) < 1e-5, path
 
 

@@ -74,7 +74,7 @@ def test_dflash_training_objective_scores_the_block_inference_drafts(trained_dir
     import jax.numpy as jnp
     from flax import nnx
 
-    from spec_jax.engine.steps import drafting_policy
+    from spec_jax.engine.step import drafting_policy
     from spec_jax.loading.drafters import load_dflash
     from spec_jax.training.train import dflash_loss
 
@@ -82,7 +82,7 @@ def test_dflash_training_objective_scores_the_block_inference_drafts(trained_dir
     llm = LLM(model=str(trained_dir), dtype="float32", max_model_len=256, max_num_seqs=1,
               speculative_config={"method": "dflash", "model": str(trained_dir / "dflash"), "num_speculative_tokens": 7})
     state = llm.prefill([prompt], SamplingParams(max_tokens=8, temperature=0.0))
-    model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     choose = drafting_policy(state.sampling, probabilistic=False, do_sample=False)
     drafts = llm.engine.plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)[0]
     P = len(prompt)  # the anchor: the first generated token sits at position P
@@ -98,7 +98,7 @@ def test_eagle3_training_objective_scores_the_chain_inference_drafts(trained_dir
     import jax.numpy as jnp
     from flax import nnx
 
-    from spec_jax.engine.steps import drafting_policy
+    from spec_jax.engine.step import drafting_policy
     from spec_jax.loading.drafters import load_eagle3
     from spec_jax.training.train import eagle3_steps
 
@@ -107,7 +107,7 @@ def test_eagle3_training_objective_scores_the_chain_inference_drafts(trained_dir
               speculative_config={"method": "eagle3", "model": str(trained_dir / "eagle3"),
                                   "num_speculative_tokens": 3})
     state = llm.prefill([prompt], SamplingParams(max_tokens=8, temperature=0.0))
-    model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     choose = drafting_policy(state.sampling, probabilistic=False, do_sample=False)
     drafts = llm.engine.plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)[0]
     P = len(prompt)  # row P-1 reads the first generated token (position P) and drafts position P+1

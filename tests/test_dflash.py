@@ -70,10 +70,10 @@ def test_context_cache_holds_the_committed_prefix(tiny_llm, dflash_dir):
     """After several steps, the drafter's context K/V equals what a fresh pass over the whole
     committed sequence gives (rejected positions were overwritten or are past the length)."""
     llm = tiny_llm.with_speculation(spec(dflash_dir))
-    state, do_sample, _ = llm.start_batch([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)  # the state read below: one row
+    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)  # the state read below: one row
     state = llm.engine.decode(state, 4, do_sample)
     n = int(state.lengths[0]) - 1  # committed positions
-    model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     out = model(state.tokens[:, :n], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n])),
                 init_cache(model.cfg, 1, n, jnp.float32), kv_len=n, taps=DRAFTER.target_layer_ids)
     k, v = draft.context_kv(out.taps, jnp.arange(n)[None])

@@ -53,12 +53,12 @@ def test_partial_acceptance_in_a_mixed_batch(tiny_llm, near_copy, plain_greedy, 
 def assert_draft_cache_is_a_prefill(llm, draft_state, tokens, upto: int) -> None:
     """Row 0 of the draft's caches equals a fresh prefill of its first `upto` tokens (KV compared
     at those slots only: attention reads no further)."""
-    _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
-    fresh = draft.init_cache(1, llm.engine.cache_len)
+    _, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
+    fresh = draft.init_cache(1, llm.engine.config.cache_len)
     fresh = draft(tokens[:1, :upto], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([upto])), fresh,
                   kv_len=upto).cache
     for g, w in zip(jax.tree.leaves(draft_state.cache), jax.tree.leaves(fresh)):
-        if g.ndim == 5 and g.shape[2] == llm.engine.cache_len:
+        if g.ndim == 5 and g.shape[2] == llm.engine.config.cache_len:
             g, w = g[:, :1, :upto], w[:, :, :upto]
         assert float(jnp.linalg.norm(g - w) / jnp.linalg.norm(w)) < 1e-5
 
@@ -66,7 +66,7 @@ def assert_draft_cache_is_a_prefill(llm, draft_state, tokens, upto: int) -> None
 def test_the_drafts_caches_end_at_the_accepted_prefix(tiny_llm, near_copy):
     """A draft with GDN layers keeps the caches of its first pass: every committed token but the newest."""
     llm = tiny_llm.with_speculation(spec(near_copy, 3))
-    state, do_sample, _ = llm.start_batch(prompts()[2:], [GREEDY], rows=1)  # the state read below: one row
+    state, do_sample, _ = llm.engine.start(prompts()[2:], [GREEDY], rows=1)  # the state read below: one row
     state = llm.engine.decode(state, 5, do_sample)
     assert 0 < int(state.stats.accepted[0]) < 15
     n = int(state.lengths[0])
@@ -82,11 +82,11 @@ def test_an_attention_only_draft_keeps_its_drafting_cache(tiny_llm):
     k = 3
     llm = tiny_llm.with_speculation({**spec(HF_FIXTURES.parent / "qwen3", k), "rejection_sample_method": "synthetic",
                                      "synthetic_acceptance_rates": [0.8, 0.6, 0.4]})
-    state, do_sample, _ = llm.start_batch(prompts()[2:], [GREEDY], rows=1)
+    state, do_sample, _ = llm.engine.start(prompts()[2:], [GREEDY], rows=1)
     trailing = set()
     for _ in range(8):
         state = llm.engine.decode(state, 1, do_sample)
-        draft_state, _rates = state.proposer  # synthetic acceptance wraps the draft's state
+        draft_state = state.proposer
         n, fed = int(state.lengths[0]), int(draft_state.fed[0])
         trailing.add(n - fed)
         assert_draft_cache_is_a_prefill(llm, draft_state, state.tokens, fed)

@@ -58,8 +58,8 @@ def jax_leaves(model):
 def test_the_markov_chain_matches_a_step_by_step_reference(tiny_llm, dspark_dir):
     """Drafts equal argmax(base_j + W2 W1[previous draft]) taken one position at a time."""
     llm = tiny_llm.with_speculation(spec(dspark_dir))
-    state, _, _ = llm.start_batch(prompts()[1:2], [GREEDY], rows=1)  # the state read below: one row
-    model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    state, _, _ = llm.engine.start(prompts()[1:2], [GREEDY], rows=1)  # the state read below: one row
+    model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     proposer = llm.engine.plan.proposer
     choose = lambda logits, pos: (jnp.argmax(logits, -1).astype(jnp.int32), None)
     drafts, n, _, _ = proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)

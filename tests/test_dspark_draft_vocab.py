@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from models.dflash import DFlashConfig
 from spec_jax import SamplingParams
-from spec_jax.engine.steps import drafting_policy
+from spec_jax.engine.step import drafting_policy
 from spec_jax.loading.drafters import load_dflash
 from spec_jax.writing.random_checkpoint import main, write_dflash_checkpoint
 
@@ -80,8 +80,8 @@ def test_greedy_equals_plain_alone_and_in_a_mixed_batch(tiny_llm, plain_greedy, 
 
 def propose(llm, params, choose_for):
     """One DSpark proposal for the middle prompt: (drafts [k], q [k, V] or None, the step's pieces)."""
-    state, do_sample, _ = llm.start_batch(prompts()[1:2], [params], rows=1)  # the state read below: one row
-    model, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    state, do_sample, _ = llm.engine.start(prompts()[1:2], [params], rows=1)  # the state read below: one row
+    model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     proposer = llm.engine.plan.proposer
     choose = choose_for(state, do_sample)
     drafts, n, q, _ = proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)

@@ -41,11 +41,11 @@ def test_drafts_stay_in_the_draft_vocabulary_and_state_follows_the_prefix(tiny_l
     d = write_eagle3_checkpoint(tmp_path / "e", HEAD, seed=3)
     allowed = set((np.arange(128) + load_file(str(d / "model.safetensors"))["d2t"]).tolist())
     llm = tiny_llm.with_speculation(spec(d))
-    state, do_sample, _ = llm.start_batch(prompts()[1:2], [GREEDY], rows=1)  # the state read below: one row
+    state, do_sample, _ = llm.engine.start(prompts()[1:2], [GREEDY], rows=1)  # the state read below: one row
     state = llm.engine.decode(state, 4, do_sample)
     assert int(state.proposer.draft[0]) in allowed
     # a fresh pass of the head over the whole committed sequence drafts the same next token
-    model, head = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    model, head = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     n = int(state.lengths[0])
     seq = state.tokens[:, :n]
     out = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),

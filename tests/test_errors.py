@@ -177,7 +177,7 @@ def test_llm_arguments_are_checked(tiny_dir, kwargs, message):
 
 
 def test_seeds_past_32_bits_draw_differently():
-    from spec_jax.api.batching import seed_key
+    from spec_jax.engine.batch import seed_key
 
     keys = [np.asarray(jax.random.key_data(seed_key(s))) for s in (0, 2**62, 2**32, -5)]
     assert len({k.tobytes() for k in keys}) == 4
@@ -185,7 +185,7 @@ def test_seeds_past_32_bits_draw_differently():
 
 
 def test_a_batch_keys_made_on_the_host_equal_each_seeds_key():
-    from spec_jax.api.batching import row_keys, seed_key
+    from spec_jax.engine.batch import row_keys, seed_key
 
     seeds = [0, 7, 2**31 + 3, 2**32 - 1, 2**32, 2**62 + 11, -5]
     got = np.asarray(jax.random.key_data(row_keys(seeds, len(seeds) + 2)))

@@ -20,36 +20,34 @@ from models import layers
 from models.layers import Batch
 from models.qwen3_5 import Qwen3_5Config
 from spec_jax import LLM
-from spec_jax.engine import steps as engine
 from spec_jax.writing.random_checkpoint import write_dflash_checkpoint
 
 
-def test_unrolled_layers_reproduce_the_rolled_model(monkeypatch, tiny_dir, plain_greedy):
-    monkeypatch.setattr(engine, "default_decode_layout", lambda: True)
+def test_unrolled_layers_reproduce_the_rolled_model(tiny_dir, plain_greedy):
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4],
-              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+              layout="decode", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert llm.model.layers is None and len(llm.model.groups) == llm.cfg.num_groups  # the decode layout
     assert llm.model.mtp.layer is not None
     assert_greedy_equals_plain(llm, plain_greedy)
 
 
-def test_block_drafter_decode_layout_reproduces_plain_greedy(monkeypatch, tmp_path, tiny_dir, plain_greedy):
+def test_block_drafter_decode_layout_reproduces_plain_greedy(tmp_path, tiny_dir, plain_greedy):
     """DSpark (the DFlash backbone plus the Markov head) with its layers unstacked and unrolled."""
-    monkeypatch.setattr(engine, "default_decode_layout", lambda: True)
     drafter = write_dflash_checkpoint(tmp_path, DSPARK, seed=2, layout="dspark")
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4],
+              layout="decode",
               speculative_config={"method": "dspark", "model": str(drafter), "num_speculative_tokens": 4})
-    _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    _, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     assert draft.layers is None and len(draft.unstacked) == DSPARK.num_hidden_layers
     assert_greedy_equals_plain(llm, plain_greedy)
 
 
-def test_qwen3_draft_model_decode_layout_reproduces_plain_greedy(monkeypatch, tiny_dir, plain_greedy):
-    monkeypatch.setattr(engine, "default_decode_layout", lambda: True)
+def test_qwen3_draft_model_decode_layout_reproduces_plain_greedy(tiny_dir, plain_greedy):
     drafter = HF_FIXTURES.parent / "qwen3"  # a plain Qwen3 checkpoint in the target's vocabulary
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4],
+              layout="decode",
               speculative_config={"method": "draft_model", "model": str(drafter), "num_speculative_tokens": 2})
-    _, draft = nnx.merge(llm.engine.graphdef, llm.engine.params)
+    _, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     assert draft.layers is None and len(draft.unstacked) == draft.cfg.num_hidden_layers
     assert_greedy_equals_plain(llm, plain_greedy)
 

@@ -60,7 +60,7 @@ def test_reduced_draft_vocabulary_drafts_low_ids_and_keeps_greedy_output(tiny_ll
     np.testing.assert_allclose(got[:, :n], full[:, :n], rtol=1e-6, atol=1e-6)
     assert np.all(got[:, n:] == -np.inf) and got.shape == full.shape
     assert_greedy_equals_plain(llm, plain_greedy)
-    state, _, _ = llm.start_batch([[1, 2, 3, 4]], [SamplingParams(max_tokens=8, temperature=0.0)])
+    state, _, _ = llm.engine.start([[1, 2, 3, 4]], [SamplingParams(max_tokens=8, temperature=0.0)])
     assert int(state.proposer.draft[0]) < n
 
 

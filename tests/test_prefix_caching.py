@@ -13,7 +13,7 @@ from spec_jax import LLM, SamplingParams
 from spec_jax.api.scheduler import Scheduler
 from spec_jax.api.server import prometheus_text
 from spec_jax.engine.prefix_cache import PrefixCache
-from spec_jax.engine.steps import KERNEL_BY_KERNEL
+from spec_jax.engine.prefix_programs import KERNEL_BY_KERNEL
 from spec_jax.writing.random_checkpoint import main as write_drafter
 
 BLOCK = 64  # the CPU default
@@ -111,17 +111,13 @@ def test_a_hit_of_three_blocks_restores_a_fresh_run_then_one_in_place(cached_llm
     then one in place after them; the state equals the one with nothing cached, bitwise."""
     prompt = A + np.random.default_rng(11).integers(0, 500, 60).tolist()  # 210 tokens: 3 full blocks, a partial 4th
     calls = []
-    run = cached_llm.engine._compiled
 
-    def counted(name, *args, **kwargs):
+    def counted(name, call):
         calls.append(name)
-        return run(name, *args, **kwargs)
+        return call()
 
-    cached_llm.engine._compiled = counted
-    try:
+    with cached_llm.engine.runner.watching(counted):
         cold, filled, warm, hits = run_both(cached_llm, lambda: cached_llm.prefill([prompt], GREEDY))
-    finally:
-        del cached_llm.engine._compiled
     assert hits == (0, 3 * BLOCK) and calls.count("restore_blocks") == 2
     assert_bitwise(cold, warm)
 
@@ -218,10 +214,10 @@ def test_a_hits_programs_take_only_the_weights_they_read(cached_llm):
     for _ in range(2):  # a miss, then a hit
         llm.prefill([A], [GREEDY])
     engine = llm.engine
-    taken = {key[0]: len(params) for key, (_, params) in engine.executables.items()}
+    taken = {key[0]: len(params) for key, (_, params) in engine.runner.executables.items()}
     assert taken["restore_blocks"] == 0
-    assert taken["start_decode"] <= len(engine.param_leaves) // 2
-    assert taken["prefill_block"] == len(engine.param_leaves)
+    assert taken["start_decode"] <= len(engine.runner.param_leaves) // 2
+    assert taken["prefill_block"] == len(engine.runner.param_leaves)
 
 
 def test_a_block_pass_launches_kernel_by_kernel_unless_the_user_says_otherwise(tiny_dir, monkeypatch):
@@ -263,7 +259,7 @@ def test_the_scheduler_reuses_a_slot_with_a_hit_and_reports_it(tiny_dir):
     second = A[:130] + [1, 2, 3]
     want = llm.with_speculation(None).generate(prompt_token_ids=[second], sampling_params=GREEDY,
                                                use_tqdm=False)[0].outputs[0].token_ids
-    scheduler = Scheduler(llm, steps_per_chunk=4).start()
+    scheduler = Scheduler(llm.engine, steps_per_chunk=4).start()
     try:
         list(scheduler.stream(A[:130], GREEDY))
         got = sum((u.token_ids for u in scheduler.stream(second, GREEDY)), [])
@@ -292,4 +288,4 @@ def test_bad_settings_are_refused(tiny_dir, kwargs, message):
 def test_block_size_sets_the_cache_length(tiny_dir):
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=200, enable_prefix_caching=True,
               prefix_block_size=128)
-    assert llm.engine.cache_len == 256 and llm.engine.prefix_cache.block_size == 128
+    assert llm.engine.config.cache_len == 256 and llm.engine.prefix_cache.block_size == 128

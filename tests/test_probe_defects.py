@@ -78,7 +78,7 @@ def test_prefix_block_size_is_bounded_by_max_model_len(tiny_dir, kwargs, message
 def test_a_block_may_reach_max_model_len_rounded_up_to_64(tiny_dir):
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=100, enable_prefix_caching=True,
               prefix_block_size=128)
-    assert llm.engine.prefix_cache.block_size == 128 and llm.engine.cache_len == 128
+    assert llm.engine.prefix_cache.block_size == 128 and llm.engine.config.cache_len == 128
 
 
 # ----------------------------------------------------------------------------- SamplingParams

@@ -24,7 +24,8 @@ from models.layers import Batch, Linear
 from models.qwen3_5 import Qwen3_5Config, init_mtp_cache
 from spec_jax import LLM, SamplingParams
 from spec_jax.api.cli import main
-from spec_jax.engine.steps import Engine
+from spec_jax.engine.config import EngineConfig
+from spec_jax.engine.runner import Runner
 from spec_jax.loading import load_model
 from spec_jax.loading.quantized import QUANTIZED_PROJECTIONS, QuantizedSource, quantize_projections, read_quant_scheme
 from spec_jax.loading.source import CheckpointError, canonical_name, param_sources
@@ -183,7 +184,7 @@ def test_quantized_checkpoint_loads_quantized_and_computes_its_weights(quantized
     (float_dir / "config.json").write_text(json.dumps(config))
     decoded = load_model(float_dir, "float32")[0]
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 40)
-    logits = lambda m: Engine(m, max_model_len=64, max_num_seqs=1).logits(ids)  # noqa: E731
+    logits = lambda m: Runner(m, None, EngineConfig(max_model_len=64)).logits(ids)  # noqa: E731
     quant = quantized_llm.logits(ids)
     np.testing.assert_allclose(quant, logits(decoded), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(mtp_hidden(model, cfg), mtp_hidden(decoded, cfg), rtol=1e-5, atol=1e-5)
@@ -210,7 +211,7 @@ def test_convert_with_quantization_restores_the_quantized_model(source, tmp_path
     assert restored.model.layers[0].mlp.shared_expert.up_proj.weight[...].dtype == np.int8
     direct = quantize_projections(load_model(src, "float32")[0], "int8")
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 20)
-    np.testing.assert_array_equal(restored.logits(ids), Engine(direct, max_model_len=64, max_num_seqs=1).logits(ids))
+    np.testing.assert_array_equal(restored.logits(ids), Runner(direct, None, EngineConfig(max_model_len=64)).logits(ids))
 
 
 def test_converting_a_quantized_checkpoint_keeps_it_quantized(quantized, quantized_llm, tmp_path):

@@ -40,7 +40,7 @@ def served(tiny_llm, tmp_path_factory):
     train_tokenizer(TINY.vocab_size).save(str(d / "tokenizer.json"))
     (d / "chat.jinja").write_text(CHATML)
     llm = copy.copy(tiny_llm)  # shares the loaded model and its compiled executables
-    llm.tokenizer = Tokenizer(d / "tokenizer.json")
+    llm.set_tokenizer(Tokenizer(d / "tokenizer.json"))
     server = Server(llm, served_model_name="tiny", chat_template=str(d / "chat.jinja"), steps_per_chunk=1)
     uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -452,7 +452,7 @@ def test_scheduler_speculates_per_slot(echo_dir):
     params = [SamplingParams(max_tokens=int(rng.integers(5, 40)), temperature=0.0, ignore_eos=True,
                              speculative=bool(i % 3), **(penalized if i % 4 == 1 else {})) for i in range(8)]
     ref = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    scheduler = Scheduler(llm, steps_per_chunk=2).start()
+    scheduler = Scheduler(llm.engine, steps_per_chunk=2).start()
     results = [None] * 8
 
     def run(i):
@@ -568,7 +568,7 @@ def test_steps_per_chunk_is_bounded_at_start_up(monkeypatch, capsys, tiny_dir, t
                      "--steps-per-chunk", steps]) == 2
         assert "--steps-per-chunk" in capsys.readouterr().err
     with pytest.raises(ValueError, match="steps_per_chunk=2147483647 must be 1 to 256"):
-        Scheduler(tiny_llm, steps_per_chunk=2**31 - 1)
+        Scheduler(tiny_llm.engine, steps_per_chunk=2**31 - 1)
 
 
 def test_a_failed_warm_up_stops_the_server(tiny_llm, monkeypatch):
@@ -578,7 +578,7 @@ def test_a_failed_warm_up_stops_the_server(tiny_llm, monkeypatch):
     def fail(*args):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
 
-    monkeypatch.setattr(server.scheduler.engine, "decode", fail)
+    monkeypatch.setattr(server.scheduler.core, "decode", fail)
     with pytest.raises(RuntimeError, match="warm-up failed: RuntimeError: RESOURCE_EXHAUSTED"):
         with TestClient(build_app(server)):
             pass
@@ -636,7 +636,7 @@ def test_no_combination_of_logit_processors_compiles_while_serving(served):
     """After start-up, requests with any combination of logit processors and logprobs, beside a
     plain stream, run on programs compiled at start-up: the live batch never stops for a compile."""
     url, llm, client = served
-    programs = len(llm.engine.executables)
+    programs = len(llm.engine.runner.executables)
     fields = {"min_p": {"min_p": 0.1}, "bias": {"logit_bias": {"7": -100.0}}, "min_tokens": {"min_tokens": 2},
               "penalties": {"repetition_penalty": 1.2}, "bad_words": {"bad_words": ["return x"]},
               "logprobs": {"logprobs": 2}}
@@ -650,7 +650,7 @@ def test_no_combination_of_logit_processors_compiles_while_serving(served):
                                                       **extra}, timeout=300)
         assert r.status_code == 200, r.text
     plain.join(timeout=300)
-    assert len(llm.engine.executables) == programs
+    assert len(llm.engine.runner.executables) == programs
 
 
 def test_soak_short_form(served):
@@ -659,7 +659,7 @@ def test_soak_short_form(served):
     same every round, and nothing compiles after the first round, so memory stays flat."""
     url, llm, _ = served
     rows = soak(url, rounds=10, requests=14, clients=4, drop_every=5,
-                probe=lambda: {"rss_mb": rss_mb(os.getpid()), "programs": len(llm.engine.executables)})
+                probe=lambda: {"rss_mb": rss_mb(os.getpid()), "programs": len(llm.engine.runner.executables)})
     for row in rows:
         assert row["completed"] + row["dropped"] == row["requests"] and row["dropped"] == 2, row
         assert row["mismatches"] == 0 and row["compared"] == (12 if row["round"] > 1 else 0), row

@@ -113,12 +113,12 @@ def test_streaming_yields_the_same_tokens(echo_dir, plain_echo):
 def test_mtp_state_after_rollbacks_matches_a_full_forward(echo_dir):
     """After a run with rejections, the MTP head's next draft and hidden state equal those of a
     fresh MTP pass over the whole sequence: its KV cache was rewritten correctly."""
-    from spec_jax.engine.steps import DecodeState  # noqa: F401  (the state the LLM runs)
+    from spec_jax.engine.state import DecodeState  # noqa: F401  (the state the LLM runs)
 
     llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=1,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    state, do_sample, _ = llm.start_batch(prompts(1), [params])
+    state, do_sample, _ = llm.engine.start(prompts(1), [params])
     state = llm.engine.decode(state, 6, do_sample)
     assert int(state.stats.num_drafts[0]) == 6 and 0 < int(state.stats.accepted[0]) < 18
     n = int(state.lengths[0])

@@ -18,9 +18,9 @@ from conftest import TINY
 
 from spec_jax import LLM, SamplingParams
 from spec_jax.api import engine_args
-from spec_jax.api import llm as llm_module
+from spec_jax.engine import core as core_module
 from spec_jax.api.engine_args import check_quantization
-from spec_jax.api.metrics import Vector
+from spec_jax.engine.metrics import Vector
 from spec_jax.engine.sampling import apply_penalties
 from spec_jax.default_model import train_tokenizer
 
@@ -81,8 +81,8 @@ def test_gpu_memory_utilization_sizes_max_num_seqs(tiny_dir, monkeypatch, caplog
         LLM(str(tiny_dir), max_model_len=64, gpu_memory_utilization=0.5)  # the CPU reports no limit
         assert "reports no memory limit; max_num_seqs stays 256" in caplog.text
         probe = LLM(str(tiny_dir), max_model_len=64, max_num_seqs=1)
-        row = probe._row_bytes()
-        monkeypatch.setattr(llm_module, "device_memory", lambda: {"bytes_limit": 100 * row, "bytes_in_use": 10 * row})
+        row = probe.engine.row_bytes()
+        monkeypatch.setattr(core_module, "device_memory", lambda: {"bytes_limit": 100 * row, "bytes_in_use": 10 * row})
         llm = LLM(str(tiny_dir), max_model_len=64, gpu_memory_utilization=0.5)
         assert llm.engine.max_num_seqs == 40  # 0.5 x 100 rows - 10 in use
         assert "max_num_seqs 40 (cap 256)" in caplog.text

@@ -1,4 +1,6 @@
-"""The offline API, shaped like vLLM's: `LLM` (its request and result types are in `params`).
+"""The offline API, shaped like vLLM's: `LLM` turns vLLM's argument forms into an `EngineConfig`,
+loads the checkpoint and drives an `EngineCore` (its request and result types are in
+`spec_jax.engine.params`).
 
     llm = LLM(model="path/to/checkpoint", dtype="bfloat16", max_model_len=4096, max_num_seqs=8)
     outs = llm.generate(["prompt"], SamplingParams(max_tokens=64, temperature=0.0))
@@ -8,37 +10,34 @@
 
 from __future__ import annotations
 
-import array
 import copy
 import functools
-import itertools
 import logging
 import os
 import time
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from models.qwen3_5 import CHUNK, ROLLBACKS, Qwen3_5Model
+from models.qwen3_5 import Qwen3_5Model
 from models.tensor_parallel import make_mesh, shard_model
-from proposers.registry import build_proposer, target_drafter
-from spec_jax.api.batching import assemble_batch, proposer_reference, reference_shape
+from spec_jax.api.chat import ChatTemplate, ChatTokenizer, conversations
 from spec_jax.api.engine_args import check_quantization, checkpoint_methods
 from spec_jax.api.engine_args import resolve as resolve_engine_args
-from spec_jax.api.chat import ChatTemplate, ChatTokenizer, conversations, cut_at_stop_string
-from spec_jax.api.metrics import LifetimeCounters, aggregate_metrics, merge_metrics, request_metrics
-from spec_jax.api.params import (INT32_MAX, CompletionOutput, RequestOutput, SamplingParams, check_int,
-                                 fan_out, generation_defaults, logprob_entries)
 from spec_jax.default_model import default_model_dir
-from spec_jax.engine.sampling import MAX_BAD_WORD_LENGTH, MAX_BAD_WORDS
-from spec_jax.engine.prefix_cache import PrefixCache
+from spec_jax.engine.config import EngineConfig
+from spec_jax.engine.core import start_engine
 from spec_jax.engine.memory import claim_device_memory
-from spec_jax.engine.spec_config import NEEDS_MODEL, parse_speculative_config
-from spec_jax.engine.steps import DecodeState, Engine, SpecPlan, cache_length, enable_compilation_cache
+from spec_jax.engine.metrics import LifetimeCounters, aggregate_metrics, merge_metrics
+from spec_jax.engine.params import (INT32_MAX, RequestOutput, SamplingParams, check_int, fan_out,
+                                    generation_defaults)
+from spec_jax.engine.runner import enable_compilation_cache
+from spec_jax.engine.spec_config import NEEDS_MODEL, SpeculativeConfig, parse_speculative_config
+from spec_jax.engine.state import DecodeState
 from spec_jax.loading import load_model
 from spec_jax.loading.drafters import load_draft
 from spec_jax.loading.gguf import find_gguf, gguf_tokenizer
@@ -49,81 +48,42 @@ from spec_jax.loading.tokenizer import Tokenizer
 
 log = logging.getLogger("spec_jax")
 
-DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_SEQS = 8
 MAX_NUM_SEQS_SIZED = 256  # vLLM's default max_num_seqs: the cap when gpu_memory_utilization sizes the batch
 
 
-def device_memory() -> dict:
-    """The first device's memory figures (`bytes_limit`, `bytes_in_use`); empty where it reports none (the CPU)."""
-    return jax.devices()[0].memory_stats() or {}
-
-
-def integer_array(ids: Sequence[int] | np.ndarray) -> np.ndarray | None:
-    """ids [T] as an integer array (a list's as int64, an integer array as it is), or None where
-    one is not an integer (a bool, a float, ...) or does not fit 64 bits. A list is read in one
-    pass in C, not one for its set of types and another to convert it."""
-    if isinstance(ids, np.ndarray):
-        return ids if np.issubdtype(ids.dtype, np.integer) else None
-    try:  # array("q") takes exactly the objects with __index__, of which bool is one
-        values = np.frombuffer(array.array("q", ids), np.int64)
-    except (TypeError, OverflowError):
-        return None
-    maybe_bool = np.flatnonzero(values <= 1)  # True and False are read as 1 and 0
-    return None if any(isinstance(ids[i], bool) for i in maybe_bool) else values
-
-
-def checked_batch_buckets(buckets, max_num_seqs: int) -> tuple[int, ...] | None:
-    """batch_buckets as a sorted tuple (read once: a generator is fine); ValueError naming a bad one."""
+def bucket_list(buckets) -> tuple[int, ...] | None:
+    """batch_buckets as a tuple (read once: a generator is fine); ValueError unless it is a
+    non-empty list (each bucket is checked by `EngineConfig`)."""
     if buckets is None:
         return None
     if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
         raise ValueError(f"batch_buckets must be a non-empty list of row counts, got {buckets!r}")
-    buckets = list(buckets)
+    buckets = tuple(buckets)
     if not buckets:
         raise ValueError("batch_buckets must be a non-empty list of row counts, got an empty one")
-    for b in buckets:
-        check_int("a batch bucket", b, 1, max_num_seqs, f"must be between 1 and max_num_seqs={max_num_seqs}")
-    return tuple(sorted({int(b) for b in buckets}))
+    return buckets
 
 
-def check_compiler_options(options: dict | None) -> None:
-    """ValueError naming an option XLA does not know (found by compiling a one-op program with them)."""
+def option_pairs(options: dict | None) -> tuple[tuple[str, object], ...]:
+    """compiler_options, a dict of XLA option names to values, as the config's pairs."""
     if options is None:
-        return
+        return ()
     if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
         raise ValueError(f"compiler_options must be a dict of XLA option names to values, got {options!r}")
-    try:
-        jax.jit(lambda x: x).lower(jnp.zeros(1)).compile(compiler_options=options)
-    except jax.errors.JaxRuntimeError as e:
-        raise ValueError(f"compiler_options={options!r}: XLA refused them ({e})") from None
+    return tuple(options.items())
 
 
-DEFAULT_PREFIX_CACHE_GB = 4.0
-
-
-def prefix_caching_settings(enabled: bool, block_size: int | None, budget_gb: float | None,
-                            max_model_len: int) -> tuple[int, int | None] | None:
-    """Checked (block size, byte budget or None: not given) of the prefix store, or None when
-    caching is off; the block size and budget are checked either way. A block is a multiple of
-    CHUNK tokens no longer than the cache (max_model_len rounded up to CHUNK): a longer one could
-    never fill, and the caches are sized to hold whole blocks. Default: 256 on the GPU (or the
-    cache's length if shorter), CHUNK elsewhere."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"enable_prefix_caching={enabled!r} must be True or False")
-    longest = cache_length(max_model_len)
-    if block_size is None:
-        block_size = min(256, longest) if jax.default_backend() == "gpu" else CHUNK
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not CHUNK <= block_size <= longest \
-            or block_size % CHUNK:
-        raise ValueError(f"prefix_block_size={block_size!r} must be a positive multiple of {CHUNK} (the GDN chunk) "
-                         f"up to {longest} (max_model_len={max_model_len} rounded up to one)")
-    if budget_gb is not None and (isinstance(budget_gb, bool) or not isinstance(budget_gb, int | float)
-                                  or not 0 < budget_gb < 1e6):
-        raise ValueError(f"prefix_cache_gb={budget_gb!r} must be a positive number of gigabytes")
-    if not enabled:
+def gigabytes(name: str, value, *, positive: bool) -> int | None:
+    """A size in GB (vLLM's unit) as bytes; None stays None. ValueError naming `name` unless a
+    number, positive (or >= 0), below a million."""
+    if value is None:
         return None
-    return block_size, None if budget_gb is None else int(budget_gb * 1e9)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value if positive else 0 <= value) \
+            or not value < 1e6:
+        rule = "a positive number of gigabytes" if positive else "a number of gigabytes >= 0"
+        raise ValueError(f"{name}={value!r} must be {rule}")
+    return int(value * 1e9)
 
 
 class LLM:
@@ -162,6 +122,8 @@ class LLM:
         default: what gpu_memory_utilization leaves beside the batch's caches when it is given, else 4.
       prefix_cache_host_gb: host memory for blocks the device evicts (0: none); a hit there is
         copied back instead of prefilled again.
+      layout: how the networks hold their layers (`spec_jax.engine.config.LAYOUTS`): "decode", "unfused"
+        or "rolled"; default "decode" on the GPU, "rolled" elsewhere.
       batch_invariant: compute the target so that a token's logits are bitwise the same whatever
         shares its pass (decode, verify, prefill, any batch): greedy output with speculation then
         equals plain decoding token for token, in any dtype (`pallas_kernels/batch_invariant.py`).
@@ -178,7 +140,8 @@ class LLM:
                  speculative_config=None, tokenizer: str | None = None, rollback: str = "replay",
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
                  prefix_block_size: int | None = None, prefix_cache_gb: float | None = None,
-                 prefix_cache_host_gb: float = 0.0, batch_invariant: bool = False, **kwargs):
+                 prefix_cache_host_gb: float = 0.0, layout: str | None = None, batch_invariant: bool = False,
+                 **kwargs):
         engine_args = resolve_engine_args(kwargs)
         claim_device_memory(engine_args.gpu_memory_utilization)  # before anything starts the backend
         # make_mesh checks any other value (1.0 or True included) against the devices there are
@@ -194,23 +157,23 @@ class LLM:
         if dtype == "auto":
             dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
         resolve_dtype(dtype)
-        if rollback not in ROLLBACKS:
-            raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
         spec = parse_speculative_config(speculative_config, target_model=model)  # fail fast, before loading
         gguf_file = find_gguf(model) if model is not None else None
         if gguf_file is not None and spec is not None and spec.method == "dspark":
             raise ValueError(f"speculative method 'dspark' needs a safetensors target, not the GGUF file {model!r}")
-        asked_seqs = max_num_seqs
         if max_num_seqs is None:  # vLLM's cap when memory sizes the batch; a small default otherwise
             max_num_seqs = MAX_NUM_SEQS_SIZED if engine_args.gpu_memory_utilization else DEFAULT_MAX_NUM_SEQS
-        check_int("max_num_seqs", max_num_seqs, 1, 4096, "must be between 1 and 4096")
-        batch_buckets = checked_batch_buckets(batch_buckets, max_num_seqs)
-        check_compiler_options(compiler_options)
+        config = EngineConfig(
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, batch_buckets=bucket_list(batch_buckets),
+            compiler_options=option_pairs(compiler_options), layout=layout,
+            tensor_parallel_size=1 if self.mesh is None else self.mesh.size,
+            enable_prefix_caching=enable_prefix_caching, prefix_block_size=prefix_block_size,
+            prefix_cache_bytes=gigabytes("prefix_cache_gb", prefix_cache_gb, positive=True),
+            prefix_cache_host_bytes=gigabytes("prefix_cache_host_gb", prefix_cache_host_gb, positive=False),
+            batch_invariant=batch_invariant, rollback=rollback, speculative=spec, seed=seed,
+            gpu_memory_utilization=engine_args.gpu_memory_utilization)
         quantize_to = None if loaded is not None else check_quantization(engine_args.quantization,
                                                                            checkpoint_methods(model))
-        check_int("seed", seed, -(2**63), 2**63 - 1, "must fit in 64 bits")
-        if max_model_len is not None:
-            check_int("max_model_len", max_model_len, 2, INT32_MAX, f"must be from 2 to {INT32_MAX}")
         enable_compilation_cache()
         self.model_path = model
         t0 = time.perf_counter()
@@ -222,39 +185,9 @@ class LLM:
             quantize_projections(self.model, quantize_to)
         if self.mesh is not None and (loaded is not None or quantize_to is not None):
             shard_model(self.model, self.mesh)  # load_model placed what it loaded; these arrays are new
-        limit = self.cfg.max_position_embeddings
-        max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit) if max_model_len is None else max_model_len
-        if not 2 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
-        self.max_model_len = max_model_len
-        self.compiler_options = compiler_options
-        self.prefix_caching = prefix_caching_settings(enable_prefix_caching, prefix_block_size, prefix_cache_gb,
-                                                      max_model_len)
-        if (isinstance(prefix_cache_host_gb, bool) or not isinstance(prefix_cache_host_gb, int | float)
-                or not 0 <= prefix_cache_host_gb < 1e6):
-            raise ValueError(f"prefix_cache_host_gb={prefix_cache_host_gb!r} must be a number of gigabytes >= 0")
-        self.prefix_cache_host_bytes = int(prefix_cache_host_gb * 1e9)
-        if not isinstance(batch_invariant, bool):
-            raise ValueError(f"batch_invariant={batch_invariant!r} must be True or False")
-        self.batch_invariant = batch_invariant
-        self._set_speculation(speculative_config, rollback, max_num_seqs, batch_buckets)
-        if engine_args.gpu_memory_utilization is not None:
-            self._size_batch(engine_args.gpu_memory_utilization, explicit=asked_seqs is not None)
-        self._log_memory()
+        self.engine = start_engine(self.model, config, draft=self._draft(spec),
+                                   tokenizer=self._tokenizer(tokenizer, gguf_file), name=self.model_path, mesh=self.mesh)
         self.metrics: dict = {}
-        if tokenizer:
-            tokenizer = local_checkpoint(tokenizer, "tokenizer")  # a file, a directory, or a cached repo id
-        tok_path = Path(tokenizer) if tokenizer else Path(model) / "tokenizer.json" if model else None
-        if tok_path is not None and tok_path.is_dir():
-            tok_path = tok_path / "tokenizer.json"
-        self.tokenizer = Tokenizer(tok_path) if tok_path is not None and tok_path.exists() else None
-        if tokenizer and self.tokenizer is None:
-            raise ValueError(f"tokenizer {tokenizer!r} has no tokenizer.json")
-        if not tokenizer and gguf_file is not None:
-            self.tokenizer = gguf_tokenizer(gguf_file)  # tokenizer.json beside it, else the GGUF's own vocabulary
-        self.seed = seed
-        self._requests = 0  # rows started: an unseeded row's seed
-        self._request_ids = itertools.count()
         self.lifetime = LifetimeCounters()
         self.generation_defaults = generation_defaults(self.model_path)
         try:
@@ -262,164 +195,94 @@ class LLM:
         except (TypeError, ValueError) as e:
             raise ValueError(f"{Path(self.model_path) / 'generation_config.json'}: {e}") from None
 
-    def _set_speculation(self, speculative_config, rollback: str, max_num_seqs: int,
-                         batch_buckets: tuple[int, ...] | None, draft=None) -> None:
-        spec = parse_speculative_config(speculative_config, target_model=self.model_path,
-                                        target_has_mtp=self.model.mtp is not None)
-        if spec is not None and spec.num_speculative_tokens + 1 >= self.max_model_len:
-            raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens} leaves no room in max_model_len="
-                             f"{self.max_model_len}: a step verifies k + 1 tokens")
-        if spec is not None and (spec.prompt_lookup_max or 0) >= self.max_model_len:
-            raise ValueError(f"prompt_lookup_max={spec.prompt_lookup_max} must be below max_model_len="
-                             f"{self.max_model_len}")
-        self.speculative_config = spec
+    def _tokenizer(self, given: str | None, gguf_file) -> Tokenizer | None:
+        """The tokenizer `given` (a file, a directory, or a cached repo id), else the checkpoint's
+        tokenizer.json, else a GGUF's own vocabulary; None when there is none."""
+        if given:
+            given = local_checkpoint(given, "tokenizer")
+        path = Path(given) if given else Path(self.model_path) / "tokenizer.json" if self.model_path else None
+        if path is not None and path.is_dir():
+            path = path / "tokenizer.json"
+        found = Tokenizer(path) if path is not None and path.exists() else None
+        if given and found is None:
+            raise ValueError(f"tokenizer {given!r} has no tokenizer.json")
+        if not given and gguf_file is not None:
+            return gguf_tokenizer(gguf_file)  # tokenizer.json beside it, else the GGUF's own vocabulary
+        return found
+
+    def _draft(self, spec: SpeculativeConfig | None, draft=None):
+        """The method's drafter network: `draft` (one already in memory), else loaded from its
+        checkpoint when the method has one; None for methods that draft without one (or cut theirs
+        from the target: `proposers.registry.target_drafter`)."""
         if draft is not None and (spec is None or spec.method not in NEEDS_MODEL):
             raise ValueError(f"a draft network was given but speculative method "
                              f"{spec.method if spec else None!r} runs none; methods with one: {', '.join(NEEDS_MODEL)}")
         if draft is None and spec is not None and spec.method in NEEDS_MODEL:
             draft = load_draft(spec, self.cfg, self.model.dtype)
-        if spec is not None and draft is None:
-            draft = target_drafter(spec, self.model)
-        store = self._prefix_store(spec)
-        plan = None if spec is None else SpecPlan(build_proposer(spec, self.cfg.vocab_size,
-                                                                 cache_length(self.max_model_len, store), draft),
-                                                  spec.num_speculative_tokens, rollback,
-                                                  spec.draft_sample_method == "probabilistic")
-        self.engine = Engine(self.model, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, plan=plan,
-                             draft=draft, batch_buckets=batch_buckets, compiler_options=self.compiler_options,
-                             mesh=self.mesh, prefix_cache=store, batch_invariant=self.batch_invariant)
+        return draft
 
-    def _prefix_store(self, spec) -> PrefixCache | None:
-        """A new, empty prefix store for an engine of this model and speculative config (None when
-        prefix caching is off). Its root key names what its blocks depend on."""
-        if self.prefix_caching is None:
-            return None
-        block_size, budget = self.prefix_caching
-        budget = int(DEFAULT_PREFIX_CACHE_GB * 1e9) if budget is None else budget
-        root = (f"{self.model_path or id(self.model)}|{jnp.dtype(self.model.dtype).name}|{spec!r}|{block_size}|"
-                f"invariant={self.batch_invariant}")
-        return PrefixCache(root, block_size, budget, self.prefix_cache_host_bytes)
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
 
-    def _size_batch(self, utilization: float, *, explicit: bool) -> None:
-        """vLLM's gpu_memory_utilization: the rows of caches that fit in that share of the device's
-        memory beside what is loaded, capped at max_num_seqs; says what it chose."""
-        asked = self.engine.max_num_seqs
-        stats = device_memory()
-        if not stats.get("bytes_limit"):
-            log.info("gpu_memory_utilization=%s: the %s device reports no memory limit; max_num_seqs stays %d",
-                     utilization, jax.default_backend(), asked)
-            return
-        row = self._row_bytes()
-        budget = utilization * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        fit = int(budget // row)
-        if fit < 1:
-            raise ValueError(f"gpu_memory_utilization={utilization} leaves {budget / 1e9:.2f} GB beside the "
-                             f"{stats.get('bytes_in_use', 0) / 1e9:.2f} GB loaded, less than one row of caches "
-                             f"({row / 1e9:.3f} GB at max_model_len {self.max_model_len}); raise it or lower "
-                             f"max_model_len")
-        chosen = min(asked, fit)
-        log.info("gpu_memory_utilization=%s: %.2f GB for caches at %.3f GB a row (max_model_len %d): max_num_seqs %d "
-                 "(%s %d)", utilization, budget / 1e9, row / 1e9, self.max_model_len, chosen,
-                 "asked" if explicit else "cap", asked)
-        self.engine.max_num_seqs = chosen  # before anything compiles: it only bounds the batch buckets
-        if self.prefix_caching is not None and self.prefix_caching[1] is None:  # the store takes what is left
-            left = max(0, int(budget - chosen * row))
-            self.prefix_caching = (self.prefix_caching[0], left)
-            self.engine.prefix_cache.budget_bytes = left
-            log.info("gpu_memory_utilization=%s: %.2f GB left for the prefix cache", utilization, left / 1e9)
+    def set_tokenizer(self, tokenizer) -> None:
+        """vLLM's `LLM.set_tokenizer`: this LLM encodes and decodes with `tokenizer` (anything with
+        encode / decode) from now on; a copy of it made before keeps the old one."""
+        self.engine = self.engine.with_tokenizer(tokenizer)
 
-    def _log_memory(self) -> None:
-        """Say where the device's memory goes: weights, the batch's caches, the prefix store."""
-        stats = device_memory()
-        if not stats.get("bytes_limit") or not log.isEnabledFor(logging.INFO):
-            return
-        weights = sum(x.nbytes for x in self.engine.param_leaves)  # the target's and any drafter's
-        row = self._row_bytes()
-        store = self.engine.prefix_cache.budget_bytes if self.engine.prefix_cache is not None else 0
-        log.info("device memory: %.2f GB the allocator may take; weights (with any drafter) %.2f GB, caches "
-                 "%.2f GB (%d rows x %.3f GB at max_model_len %d), prefix store up to %.2f GB", stats["bytes_limit"] / 1e9, weights / 1e9,
-                 row * self.engine.max_num_seqs / 1e9, self.engine.max_num_seqs, row / 1e9, self.max_model_len,
-                 store / 1e9)
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
-    def _row_bytes(self) -> int:
-        """Device bytes a batch row adds: its `DecodeState` and a step's float32 logits, probabilities
-        and draws over the k + 1 verified positions."""
-        batch = assemble_batch([[0]], [SamplingParams()], [0], rows=1, prompt_len=self.engine.prompt_bucket(1),
-                               max_model_len=self.max_model_len, eos=self.cfg.eos_token_id)
-        state = self.engine.row_bytes(*batch.inputs(), jnp.asarray(batch.speculate), reference_shape(self.engine, 1))
-        k = self.engine.plan.k if self.engine.plan else 0
-        return state + 3 * (k + 1) * self.cfg.vocab_size * 4
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        return self.engine.config.speculative
 
-    def with_speculation(self, speculative_config, *, rollback: str = "replay", draft=None) -> "LLM":
+    def with_speculation(self, speculative_config, *, rollback: str = "replay", draft=None,
+                         proposer=None) -> "LLM":
         """The same loaded weights with another speculative config (None: plain decoding), for
-        comparing methods without reloading. Compiled executables are per config.
+        comparing methods without reloading. Compiled executables are per config, except that a
+        config which changes only the synthetic acceptance rates keeps this LLM's drafter, proposer
+        and programs (`EngineCore.with_rates`: the rates are data).
 
         draft: the method's drafter network already in memory (for example one made on the
         device by `bench.models.random_drafter`), used in place of loading the config's `model`.
+        proposer: a proposer built already, in place of the method's (a benchmark's variant of it).
         """
-        if rollback not in ROLLBACKS:
-            raise ValueError(f"rollback={rollback!r}; expected one of {', '.join(ROLLBACKS)}")
+        spec = parse_speculative_config(speculative_config, target_model=self.model_path,
+                                        target_has_mtp=self.model.mtp is not None)
         other = copy.copy(self)
-        other._set_speculation(speculative_config, rollback, self.engine.max_num_seqs, self.engine.batch_buckets,
-                               draft)
-        other.metrics, other._plain_engine, other.lifetime = {}, None, LifetimeCounters()
+        if draft is None and proposer is None and self.engine.keeps_step(spec, rollback):
+            other.engine = self.engine.with_rates(spec)
+        else:
+            other.engine = self.engine.with_speculation(spec, rollback, draft=self._draft(spec, draft),
+                                                        proposer=proposer)
+        other.metrics, other.lifetime = {}, LifetimeCounters()
         return other
 
     # ------------------------------------------------------------------ inputs
 
     def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
-        """`_id_array`'s check, the ids returned as a new list of plain ints (the caller may extend
-        its list for the next turn)."""
-        return self._id_array(ids, what).tolist()
-
-    def _id_array(self, ids: Sequence[int], what: str) -> np.ndarray:
-        """A prompt's token ids [T] checked (ValueError naming `what` for a non-integer, an empty
-        prompt, an id outside the vocabulary, or no room left for a generated token), as
-        `integer_array` gives them."""
-        if (isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | np.ndarray)
-                or (isinstance(ids, np.ndarray) and ids.ndim != 1)):
-            raise ValueError(f"{what} must be a list of token ids, got {str(ids)[:80]}")
-        if isinstance(ids, np.ndarray) and ids.dtype == object:  # Python objects: checked one by one, as a list's
-            ids = ids.tolist()
-        values = integer_array(ids)
-        if values is None or values.ndim != 1 or not len(values) or not self._in_vocabulary(values):
-            self._name_bad_id(ids, what)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"{what} has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
-                f"it must be shorter to leave room for at least one generated token")
-        return values
-
-    def _in_vocabulary(self, ids: np.ndarray) -> bool:
-        return 0 <= ids.min() and ids.max() < self.cfg.vocab_size
-
-    def _name_bad_id(self, ids: Sequence[int], what: str) -> NoReturn:
-        """Raise ValueError naming the first value of ids that is not a token id of the vocabulary."""
-        wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
-        if wrong:
-            raise ValueError(f"{what} has {wrong[0]!r} ({type(wrong[0]).__name__}) where a token id (an integer) "
-                             f"belongs")
-        if not len(ids):
-            raise ValueError(f"{what} is empty; a prompt needs at least one token")
-        bad = [int(t) for t in ids if not 0 <= t < self.cfg.vocab_size]
-        raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        """`EngineCore.check_ids`, the ids returned as a new list of plain ints (the caller may
+        extend its list for the next turn)."""
+        return self.engine.check_ids(ids, what).tolist()
 
     def _encode(self, prompt: str, what: str) -> list[int]:
-        if not isinstance(prompt, str):
-            raise TypeError(f"{what} must be a string, got {type(prompt).__name__}; pass token ids as prompt_token_ids")
-        if self.tokenizer is None:
-            raise ValueError(f"{self.model_path} has no tokenizer.json; pass prompt_token_ids instead of text")
-        return self.tokenizer.encode(prompt)
+        return self.engine.encode(prompt, what)
 
     def tokenize(self, prompt: str | Sequence[int], what: str = "prompt") -> list[int]:
         """A prompt's token ids, checked: text through the checkpoint's tokenizer, ids as given.
         Raises ValueError naming `what` for an empty prompt, an id outside the vocabulary, or a
         prompt that leaves no room for a generated token under max_model_len."""
-        return self._prompt_ids(prompt, what).tolist()
+        return self.engine.prompt_ids(prompt, what).tolist()
 
-    def _prompt_ids(self, prompt: str | Sequence[int], what: str) -> np.ndarray:
-        """`tokenize`'s ids as the checked array [T] (`_id_array`)."""
-        return self._id_array(self._encode(prompt, what) if isinstance(prompt, str) else prompt, what)
+    def check_params(self, p: SamplingParams) -> list[list[int]]:
+        """`EngineCore.check_params`: ValueError naming a field this model cannot take."""
+        return self.engine.check_params(p)
+
+    def bad_word_forms(self, p: SamplingParams) -> list[list[int]]:
+        """`EngineCore.bad_word_forms`: a request's bad_words as the token sequences vLLM bans."""
+        return self.engine.bad_word_forms(p)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Full-sequence target logits: token_ids [T] -> np.ndarray [T, vocab] float32."""
@@ -478,7 +341,7 @@ class LLM:
         with tqdm(total=len(rows), desc="generating", unit="seq", disable=not use_tqdm or len(rows) < 2) as bar:
             for s in range(0, len(rows), n):
                 chunk = rows[s:s + n]
-                completions += self._run_batch([requests[r][1] for r, _ in chunk], [p for _, p in chunk])
+                completions += self.engine.run_batch([requests[r][1] for r, _ in chunk], [p for _, p in chunk])
                 bar.update(len(chunk))
         by_request: list[list] = [[] for _ in requests]
         for (owner, _), completion in zip(rows, completions):
@@ -487,10 +350,10 @@ class LLM:
         for (text, ids), mine, p in zip(requests, by_request, params):
             for i, (out, _) in enumerate(mine):
                 out.index = i
-            self._requests += 1
+            request_id = self.engine.next_request()
             metrics = mine[0][1] if len(mine) == 1 else {**mine[0][1], **merge_metrics([m for _, m in mine])}
-            outputs.append(RequestOutput(str(self._requests - 1), text, ids, [c for c, _ in mine], metrics,
-                                         prompt_logprobs=self._prompt_logprobs(ids, p)))
+            outputs.append(RequestOutput(str(request_id), text, ids, [c for c, _ in mine], metrics,
+                                         prompt_logprobs=self.engine.prompt_logprobs(ids, p)))
         self.metrics = aggregate_metrics(outputs)
         self.metrics["tokens_per_s"] = self.metrics["num_generated_tokens"] / (time.perf_counter() - t0)
         self.lifetime.add(outputs)
@@ -557,10 +420,10 @@ class LLM:
         `decode`; row i's tokens are `tokens[i, len(prompt_i):lengths[i]]`.
         """
         # checked, as arrays: the batch is assembled from them without converting each id again
-        ids = [self._prompt_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
+        ids = [self.engine.prompt_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
         if not 1 <= len(ids) <= self.engine.max_num_seqs:
             raise ValueError(f"got {len(ids)} prompts; prefill takes 1 to max_num_seqs={self.engine.max_num_seqs}")
-        return self.start_batch(ids, self._params_per_prompt(sampling_params, len(ids), SamplingParams()))[0]
+        return self.engine.start(ids, self._params_per_prompt(sampling_params, len(ids), SamplingParams()))[0]
 
     def _params_per_prompt(self, sampling_params, n: int, default: SamplingParams) -> list[SamplingParams]:
         """One SamplingParams, a list of one per prompt, or None (default) -> n of them, each
@@ -586,136 +449,6 @@ class LLM:
         do_sample = bool(jax.device_get(jnp.any(state.sampling.temperature > 0)))
         return self.engine.decode(state, steps, do_sample)
 
-    def _row_seed(self, p: SamplingParams) -> int:
-        self._requests += 1
-        return p.seed if p.seed is not None else hash((self.seed, self._requests)) & 0x7FFFFFFF
-
-    def start_batch(self, ids: Sequence[Sequence[int]], params: Sequence[SamplingParams], *,
-                    stop_width: int | None = None, do_sample: bool | None = None,
-                    processors: frozenset[str] = frozenset(), num_logprobs: int | None = None,
-                    rows: int | None = None):
-        """Pad a batch of checked prompt ids to the engine's buckets and prefill it (one
-        `SamplingParams` a row). Returns (DecodeState, do_sample, each row's stop ids). The
-        scheduler fixes stop_width (the stop_ids columns), do_sample, the logit processors carried
-        (`RowSampling`'s optional fields, besides those a row uses) and num_logprobs kept per token (default:
-        the most any row asks for) so that every row it prefills fits its live batch, and rows (default:
-        the batch bucket of len(ids)) to 1 for a request joining it."""
-        seeds = [self._row_seed(p) for p in params]
-        batch = assemble_batch(ids, params, seeds, rows=rows or self.engine.batch_bucket(len(ids)),
-                               prompt_len=self.engine.prompt_bucket(max(len(x) for x in ids)),
-                               max_model_len=self.max_model_len, eos=self.cfg.eos_token_id, stop_width=stop_width,
-                               vocab_size=self.cfg.vocab_size,
-                               bad_words=[self.bad_word_forms(p) for p in params],
-                               processors=processors)
-        do_sample = batch.do_sample if do_sample is None else do_sample
-        reference = proposer_reference(self.engine, batch, self._plain, do_sample)
-        if num_logprobs is None:
-            num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        state = self.engine.prefill(*batch.inputs(), batch.speculate, reference, do_sample, num_logprobs)
-        return state, do_sample, batch.stops
-
-    def bad_word_forms(self, p: SamplingParams) -> list[list[int]]:
-        """A request's bad_words as the token sequences vLLM bans: each word with leading spaces
-        stripped, and with one space before it when that starts with another token and is as many
-        tokens long. Raises ValueError when a form is longer than MAX_BAD_WORD_LENGTH tokens or a
-        request has more than MAX_BAD_WORDS forms of several tokens."""
-        if not p.bad_words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError(f"bad_words need a tokenizer, and {self.model_path} has none; use logit_bias")
-        forms = []
-        for word in p.bad_words:
-            plain = self.tokenizer.encode(word.lstrip())
-            spaced = self.tokenizer.encode(" " + word.lstrip())
-            forms += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
-        if max(map(len, forms)) > MAX_BAD_WORD_LENGTH:
-            raise ValueError(f"bad_words: {max(forms, key=len)!r} is longer than {MAX_BAD_WORD_LENGTH} tokens, the "
-                             f"most a bad word may have")
-        if sum(len(f) > 1 for f in forms) > MAX_BAD_WORDS:
-            raise ValueError(f"bad_words: {sum(len(f) > 1 for f in forms)} word forms of several tokens; at most "
-                             f"{MAX_BAD_WORDS} are supported")
-        return forms
-
-    def check_params(self, p: SamplingParams) -> list[list[int]]:
-        """What SamplingParams cannot check alone, against this model: logit_bias keys and
-        allowed_token_ids are ids of its vocabulary; stop strings and bad_words need its tokenizer.
-        Raises ValueError naming the field; returns the request's `bad_word_forms`."""
-        if p.min_tokens > self.max_model_len:
-            raise ValueError(f"min_tokens={p.min_tokens} exceeds max_model_len={self.max_model_len}: no completion "
-                             f"can be that long")
-        if p.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer, and {self.model_path} has none; use stop_token_ids")
-        for name, ids in (("logit_bias", [int(t) for t in p.logit_bias or {}]),
-                          ("allowed_token_ids", p.allowed_token_ids or []), ("stop_token_ids", p.stop_token_ids or [])):
-            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
-        return self.bad_word_forms(p)
-
-    def _plain(self) -> Engine:
-        """A plain-decoding engine on the same weights (the oracle's reference run), made once."""
-        if getattr(self, "_plain_engine", None) is None:
-            self._plain_engine = Engine(self.model, max_model_len=self.max_model_len,
-                                        max_num_seqs=self.engine.max_num_seqs, batch_buckets=self.engine.batch_buckets,
-                                        compiler_options=self.compiler_options, mesh=self.mesh,
-                                        batch_invariant=self.batch_invariant)
-        return self._plain_engine
-
-    def _run_batch(self, ids, params) -> list[tuple[CompletionOutput, dict]]:
-        """One batch of rows: each row's completion and metrics."""
-        t0 = time.perf_counter()
-        state, do_sample, stops = self.start_batch(ids, params)
-        jax.block_until_ready(state.tokens)
-        t1 = time.perf_counter()
-        state = self.engine.decode(state, self.max_model_len, do_sample)
-        out_tokens, out_lengths, stats, steps, logprobs = jax.device_get(
-            (state.tokens, state.lengths, state.stats, state.steps, state.logprobs))
-        t2 = time.perf_counter()
-        results = []
-        for i, p in enumerate(params):
-            gen = out_tokens[i, len(ids[i]):out_lengths[i]].tolist()
-            out = self._completion(gen, p, stops[i])
-            if p.logprobs is not None:
-                self._attach_logprobs(out, logprobs, i, len(ids[i]), p)
-            metrics = request_metrics(len(ids[i]), len(out.token_ids), t1 - t0, t2 - t1, stats, i)
-            metrics["batch_decode_steps"] = int(steps)
-            results.append((out, metrics))
-        return results
-
-    def _attach_logprobs(self, out: CompletionOutput, kept, row: int, start: int, p: SamplingParams) -> None:
-        """vLLM's logprobs of a completion from the batch's `EmittedLogprobs` (on the host): per
-        token, its own entry and the top `p.logprobs` ones; the cumulative logprob."""
-        at = slice(start, start + len(out.token_ids))
-        out.logprobs = logprob_entries(out.token_ids, kept.token[row, at], kept.rank[row, at], kept.top_ids[row, at],
-                                       kept.top[row, at], p.logprobs, self._token_text if p.detokenize else None)
-        out.cumulative_logprob = float(sum(kept.token[row, at]))
-
-    def _prompt_logprobs(self, ids: list[int], p: SamplingParams) -> list | None:
-        """vLLM's prompt_logprobs: None for the first prompt token, then each token's entry and the
-        top `p.prompt_logprobs` (`logprob_entries`), from the target's raw logits."""
-        if p.prompt_logprobs is None:
-            return None
-        token, rank, top_ids, top = self.engine.prompt_logprobs(np.asarray(ids, np.int32), p.prompt_logprobs)
-        return [None] + logprob_entries(ids[1:], token, rank, top_ids, top, p.prompt_logprobs,
-                                        self._token_text if p.detokenize else None)
-
-    def _token_text(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token], False)
-
-    def _completion(self, gen: list[int], p: SamplingParams, stop_ids: list[int]) -> CompletionOutput:
-        """A row's generated ids as vLLM reports them: cut at the first stop string, with the text,
-        finish_reason and stop_reason (the stop string or stop token id; None at EOS or length)."""
-        if p.stop and self.tokenizer is not None:
-            text, cut, stop = cut_at_stop_string(self.tokenizer, gen, p.stop_strings, p.skip_special_tokens,
-                                                 p.include_stop_str_in_output)
-            if stop is not None:
-                return CompletionOutput(0, text if p.detokenize else "", cut, "stop", stop)
-            text = text if p.detokenize else ""
-        else:
-            text = self.tokenizer.decode(gen, p.skip_special_tokens) if self.tokenizer and p.detokenize else ""
-        if gen and gen[-1] in stop_ids:
-            return CompletionOutput(0, text, gen, "stop", None if gen[-1] in self.cfg.eos_token_id else gen[-1])
-        return CompletionOutput(0, text, gen, "length")
 
     def generate_stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
                         prompt_token_ids: Sequence[int] | None = None, steps_per_chunk: int = 1):
@@ -727,7 +460,7 @@ class LLM:
             raise ValueError(f"steps_per_chunk={steps_per_chunk} must be at least 1")
         ids = self.tokenize(prompt if prompt is not None else prompt_token_ids)
         params = self._params_per_prompt(sampling_params, 1, SamplingParams())
-        state, do_sample, _ = self.start_batch([ids], params)
+        state, do_sample, _ = self.engine.start([ids], params)
         sent = len(ids)
         while True:
             length, done = (int(x) for x in jax.device_get((state.lengths[0], state.done[0])))

@@ -2,8 +2,8 @@
 
 The live `DecodeState` has `max_num_seqs` rows, the slots. A request waits in a queue until a
 slot is free; then it is prefilled alone (a batch-1 prefill, one executable per prompt bucket)
-and written into its slot by `Engine.insert`. The device loop runs the same `decode_loop`
-executable as `LLM.generate`, `steps_per_chunk` steps per call, and hands each request its new
+and written into its slot by `EngineCore.insert`. The device loop runs the same `decode_loop`
+executable as `LLM.generate` (both drive one `EngineCore`), `steps_per_chunk` steps per call, and hands each request its new
 tokens after every call. A finished or cancelled request frees its slot for the next waiting
 one. Speculation works per slot as in `LLM.generate`: its counters restart with each insert.
 
@@ -14,7 +14,7 @@ compiles both, so no request waits for the live batch's programs to compile.
 One background thread owns the device. Callers talk to it through a thread-safe inbox
 (`submit`, `cancel`) and hear back through a per-request `sink(Update)` called on that thread.
 
-    sched = Scheduler(llm).start()
+    sched = Scheduler(llm.engine).start()
     for update in sched.stream([1, 2, 3], SamplingParams(max_tokens=8, temperature=0)):
         print(update.token_ids, update.finish_reason)
 """
@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.api.batching import processors_needed
-from spec_jax.api.llm import LLM, SamplingParams
-from spec_jax.api.metrics import request_metrics
-from spec_jax.api.params import MAX_LOGPROBS, Logprob, logprob_entries
+from spec_jax.engine.batch import processors_needed
+from spec_jax.engine.core import EngineCore
+from spec_jax.engine.metrics import request_metrics
+from spec_jax.engine.params import MAX_LOGPROBS, Logprob, SamplingParams, logprob_entries
 from spec_jax.engine.sampling import RowSampling
 
 MAX_STOP_TOKEN_IDS = 16  # per request besides EOS: the live batch's stop_ids width is fixed
@@ -93,26 +93,25 @@ def recent(buffers, start: jax.Array, width: int):
 
 
 class Scheduler:
-    """Continuous batching over `llm.engine.max_num_seqs` slots, with `steps_per_chunk` decode
+    """Continuous batching over the core's max_num_seqs slots, with `steps_per_chunk` decode
     steps per device call, 1 to max_model_len (more: less dispatch overhead, coarser streaming).
     The live batch wears the plain or the full layout (`_fit_layout`)."""
 
-    def __init__(self, llm: LLM, *, steps_per_chunk: int = 4):
+    def __init__(self, core: EngineCore, *, steps_per_chunk: int = 4):
         if isinstance(steps_per_chunk, bool) or not isinstance(steps_per_chunk, int) \
-                or not 1 <= steps_per_chunk <= llm.max_model_len:
-            raise ValueError(f"steps_per_chunk={steps_per_chunk!r} must be 1 to {llm.max_model_len} (max_model_len: "
+                or not 1 <= steps_per_chunk <= core.max_model_len:
+            raise ValueError(f"steps_per_chunk={steps_per_chunk!r} must be 1 to {core.max_model_len} (max_model_len: "
                              f"no row runs more steps)")
-        self.llm = llm
-        self.engine = llm.engine
-        plan = self.engine.plan
+        self.core = core
+        plan = core.plan
         self.k = plan.k if plan is not None else 0
         # Probabilistic drafting keeps draft probabilities in the proposer state only when
         # sampling is compiled in, so then every call samples (greedy rows still take argmax).
         self.always_sample = plan is not None and plan.probabilistic
         self.steps_per_chunk = steps_per_chunk
         self.window = steps_per_chunk * (self.k + 1) + 1  # most tokens a row can gain per call
-        self.stop_width = MAX_STOP_TOKEN_IDS + len(llm.cfg.eos_token_id)
-        self.slots: list[Request | None] = [None] * self.engine.max_num_seqs
+        self.stop_width = MAX_STOP_TOKEN_IDS + len(core.cfg.eos_token_id)
+        self.slots: list[Request | None] = [None] * core.max_num_seqs
         self.full = False  # the live batch's layout: full, or plain
         self.waiting: collections.deque[Request] = collections.deque()
         self.inbox: queue.Queue = queue.Queue()
@@ -151,8 +150,8 @@ class Scheduler:
                 sink: Callable[[Update], None]) -> Request:
         """A checked request, not yet queued (`enqueue` queues it); `sink` will get its updates.
         Bad prompts, stop lists or token ids raise ValueError."""
-        ids = self.llm.tokenize(prompt_token_ids)
-        bad_words = self.llm.check_params(params)
+        ids = self.core.prompt_ids(prompt_token_ids, "prompt").tolist()
+        bad_words = self.core.check_params(params)
         if len(params.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(params.stop_token_ids)} stop_token_ids given; at most {MAX_STOP_TOKEN_IDS} "
                              f"are supported")
@@ -197,7 +196,7 @@ class Scheduler:
             out["accepted_per_position"] = list(self.accepted_per_position)
             out["running"] = sum(r is not None for r in self.slots)
             out["waiting"] = self.queued
-        store = self.engine.prefix_cache
+        store = self.core.prefix_cache
         if store is not None:
             out["prefix_cache_queries"], out["prefix_cache_hits"] = store.queries, store.hits
         return out
@@ -232,8 +231,8 @@ class Scheduler:
         self.full = False
         dummy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         B = len(self.slots)
-        state, _, _ = self.llm.start_batch([[0]] * B, [dummy] * B, stop_width=self.stop_width,
-                                            do_sample=self.always_sample or None)
+        state, _, _ = self.core.start([[0]] * B, [dummy] * B, stop_width=self.stop_width,
+                                      do_sample=self.always_sample or None)
         return state
 
     def _read_inbox(self, block: bool) -> bool:
@@ -272,15 +271,15 @@ class Scheduler:
             try:
                 self._fit_layout(joining=req)
                 processors, num_logprobs = self._layout()
-                row, _, stops = self.llm.start_batch([req.prompt_token_ids], [req.params], stop_width=self.stop_width,
-                                                      do_sample=self.always_sample or None, processors=processors,
-                                                      num_logprobs=num_logprobs, rows=1)
+                row, _, stops = self.core.start([req.prompt_token_ids], [req.params], stop_width=self.stop_width,
+                                                do_sample=self.always_sample or None, processors=processors,
+                                                num_logprobs=num_logprobs, rows=1)
             except Exception as e:  # e.g. a prompt bucket that fails to compile: this request only
                 log.exception("prefill failed")
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
                 continue
             try:
-                self.state = self.engine.insert(self.state, slot, row)
+                self.state = self.core.insert(self.state, slot, row)
             except Exception as e:  # the donated live batch may be gone too: `_loop` ends the running requests
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
                 raise
@@ -302,14 +301,14 @@ class Scheduler:
         full = any(r.processors or r.params.logprobs is not None for r in requests)
         if full != self.full:
             self.full = full
-            self.state = self.engine.with_processors(self.state, *self._layout())
+            self.state = self.core.with_processors(self.state, *self._layout())
 
     def _run_chunk(self) -> None:
         """Run steps_per_chunk steps over the live batch, then hand out new tokens and finish
         the rows that are done."""
         self._fit_layout()
         do_sample = self.always_sample or any(r is not None and r.params.temperature > 0 for r in self.slots)
-        self.state = self.engine.decode(self.state, self.steps_per_chunk, do_sample)
+        self.state = self.core.decode(self.state, self.steps_per_chunk, do_sample)
         sent = np.asarray([r.sent if r is not None else 0 for r in self.slots], np.int32)
         window, kept = recent((self.state.tokens, self.state.logprobs), jnp.asarray(sent), self.window)
         lengths, done, window, kept, self.last_stats = jax.device_get(

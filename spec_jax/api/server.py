@@ -33,9 +33,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from spec_jax.api.chat import ChatTemplate, RequestError, TextDelta
+from spec_jax.api.chat import ChatTemplate, RequestError
+from spec_jax.engine.detokenize import TextDelta
 from spec_jax.api.llm import LLM
-from spec_jax.api.params import MAX_LOGPROBS, Logprob, SamplingParams, fan_out
+from spec_jax.engine.params import MAX_LOGPROBS, Logprob, SamplingParams, fan_out
 from spec_jax.api.scheduler import MAX_STOP_TOKEN_IDS, Scheduler, Update
 
 
@@ -238,7 +239,7 @@ class Server:
                  steps_per_chunk: int = 4):
         self.llm = llm
         self.name = served_model_name or str(llm.model_path)
-        self.scheduler = Scheduler(llm, steps_per_chunk=steps_per_chunk)
+        self.scheduler = Scheduler(llm.engine, steps_per_chunk=steps_per_chunk)
         self.chat_template = ChatTemplate.of_checkpoint(llm.model_path, chat_template)
         self.created = int(time.time())
 

@@ -1,20 +1,17 @@
 """A batch of requests as the engine's inputs: prompts right-padded to the engine's buckets,
-each row's token budget and stop ids, its sampling parameters and PRNG key, and what the
-proposer needs at prefill (synthetic rates, or the oracle's reference continuation).
-`LLM.start_batch` and the server's scheduler both start batches through here."""
+each row's token budget and stop ids, its sampling parameters, logit processors and PRNG key.
+`EngineCore.start` assembles every batch, offline or continuous, here."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from proposers.oracle import OracleProposer, OracleTokens, SyntheticAcceptance
 from spec_jax.engine.sampling import RowSampling, no_bad_words
-from spec_jax.engine.steps import Engine
 
 
 def seed_key(seed: int) -> jax.Array:
@@ -55,7 +52,7 @@ class AssembledBatch:
     do_sample: bool
 
     def inputs(self) -> list:
-        """The engine's prefill arguments before (speculate, reference, do_sample). The arrays stay
+        """The runner's prefill arguments before (speculate, do_sample). The arrays stay
         on the host: a compiled program copies them in with its call, and the prefix-cache path
         reads them there without a copy back."""
         return [self.tokens, self.lengths, self.max_lengths, self.stop_ids, self.sampling, self.done]
@@ -93,17 +90,6 @@ def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequen
                            **logit_processors(params, lengths, stop_ids, B, vocab_size, bad_words, processors))
     return AssembledBatch(tokens, lengths, max_lengths, stop_ids, sampling, np.arange(B) >= n, speculate, stops,
                           bool((temperature > 0).any()))
-
-
-def reference_shape(engine: Engine, rows: int):
-    """What `proposer_reference` returns for `rows` rows, without running anything: an array for
-    synthetic rates, a shape for the oracle's continuation, else None."""
-    proposer = engine.plan.proposer if engine.plan else None
-    if isinstance(proposer, SyntheticAcceptance):
-        return jnp.asarray(proposer.reference(rows))
-    if isinstance(proposer, (OracleProposer, OracleTokens)):
-        return jax.ShapeDtypeStruct((rows, engine.cache_len), jnp.int32)
-    return None
 
 
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]
@@ -165,21 +151,3 @@ def logit_processors(params: Sequence, lengths: np.ndarray, stop_ids: np.ndarray
         end[:n] = [lengths[i] + p.min_tokens for i, p in enumerate(params)]
         out["min_tokens"] = (jnp.asarray(end), jnp.asarray(stop_ids))
     return out
-
-
-def proposer_reference(engine: Engine, batch: AssembledBatch, plain: Callable[[], Engine], do_sample: bool):
-    """What the engine's proposer reads at prefill, or None: synthetic acceptance's rates
-    [B, k], or for the oracle the target's own continuation of each row (a plain run on
-    `plain()`, an engine on the same weights), as far as any draft can reach."""
-    proposer = engine.plan.proposer if engine.plan else None
-    if isinstance(proposer, SyntheticAcceptance):
-        return jnp.asarray(proposer.reference(len(batch.lengths)))
-    if not isinstance(proposer, (OracleProposer, OracleTokens)):
-        return None
-    tokens, lengths, max_lengths, stop_ids, sampling, done = batch.inputs()
-    # As far as any draft of the speculative run can reach: its last step drafts k past its limit.
-    reach = jnp.minimum(max_lengths + engine.plan.k, engine.max_model_len)
-    runner = plain()
-    state = runner.prefill(tokens, lengths, reach, jnp.full_like(stop_ids, -1), sampling, done, jnp.zeros_like(done),
-                           None, do_sample)
-    return runner.decode(state, engine.max_model_len, do_sample).tokens

@@ -37,6 +37,7 @@ REJECTION_SAMPLE_METHODS = ("standard", "synthetic", "block")
 MAX_SPECULATIVE_TOKENS = 64
 MAX_PROMPT_LOOKUP = 1024
 IMPLEMENTED_REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
+RATE_FIELDS = ("synthetic_acceptance_rates", "synthetic_acceptance_length")
 MTP_N_PREDICT = 1  # Qwen3.5 / 3.6 / Qwen3-Next ship one MTP layer: k defaults to it
 # The MTP alias vLLM derives from each target model_type we load.
 TARGET_MTP_ALIAS = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_moe": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp",
@@ -166,6 +167,13 @@ class SpeculativeConfig:
         if any(b > a for a, b in zip(rates, rates[1:])):
             raise ValueError(f"synthetic_acceptance_rates must be non-increasing, got {list(rates)}")
         object.__setattr__(self, "synthetic_acceptance_rates", tuple(float(r) for r in rates))
+
+    def same_step(self, other: "SpeculativeConfig") -> bool:
+        """Whether `other` runs the same speculative step as this config: equal but for the
+        synthetic acceptance rates, which reach the step as data, not as part of its program."""
+        def step(c):
+            return [getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in RATE_FIELDS]
+        return step(self) == step(other)
 
     def synthetic_conditional_rates(self) -> tuple[float, ...]:
         """Per position, the probability that draft i is accepted given drafts before it were."""
@@ -338,11 +346,16 @@ def _resolve_method(raw: dict) -> str:
     raise ValueError(f"speculative_config needs 'method' or 'model'; methods: {', '.join(ACCEPTED_METHODS)}")
 
 
-def _check_mtp_target(raw_method: Any, target_has_mtp: bool, target_model_type: str | None) -> None:
+def check_mtp_head(target_has_mtp: bool) -> None:
+    """ValueError unless the target has the MTP head method 'mtp' drafts with."""
     if not target_has_mtp:
         raise ValueError("speculative method 'mtp' needs the target's MTP head, but the checkpoint has no mtp.* "
                          "tensors (a GGUF/safetensors export without the MTP head cannot run mtp); use 'ngram' "
                          "or a checkpoint that keeps mtp.*")
+
+
+def _check_mtp_target(raw_method: Any, target_has_mtp: bool, target_model_type: str | None) -> None:
+    check_mtp_head(target_has_mtp)
     expected = TARGET_MTP_ALIAS.get(target_model_type)
     if expected and raw_method in MTP_ALIASES and raw_method != expected:
         warnings.warn(f"method {raw_method!r} names another model family than the target ({target_model_type}, "

@@ -1,0 +1,223 @@
+"""The step functions: pure jitted prefill / decode over explicit state pytrees, and the
+on-device loop. Everything a step reads or writes is in `DecodeState`; `decode_loop` is a
+`lax.while_loop` over `decode_step` or `spec_step`, so a whole generation runs on the device with
+no host round trip per token. `spec_jax.engine.runner.Runner` compiles these once per shape bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from models.layers import Batch
+from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Model, init_cache
+from pallas_kernels.batch_invariant import invariant_rows
+from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic, draw,
+                                     process_logits, ranked_logprobs, sample_tokens, warp_logits)
+from spec_jax.engine.state import DecodeState, SpecPlan, SpecStats, append_tokens, plan_taps
+
+
+def drafting_policy(sampling: RowSampling, *, probabilistic: bool, do_sample: bool):
+    """The `choose(logits, positions)` proposers draft with: argmax (q one-hot), or, for
+    probabilistic drafting of sampled rows, a draw from the row's distribution with its q."""
+
+    def choose(logits, positions):
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if not (probabilistic and do_sample):
+            return greedy, None
+        warped = warp_logits(logits, sampling)
+        drawn = draw(warped, sampling, positions, stream=2)
+        return jnp.where(sampling.temperature > 0, drawn, greedy), jax.nn.softmax(warped, axis=-1)
+
+    return choose
+
+
+def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, stop_ids, sampling: RowSampling, done,
+            speculate, *, cache_len: int, do_sample: bool, plan: SpecPlan | None,
+            num_logprobs: int | None = None) -> DecodeState:
+    """Run the prompts, sample each row's first token, and start the proposer.
+
+    prompts: [B, T] int32, right-padded; prompt_lengths: [B] (>= 1); max_lengths: [B];
+    stop_ids: [B, S]; done: [B] bool (True for padding rows of the batch bucket); speculate:
+    [B] bool.
+    Returns the `DecodeState` with the caches holding each prompt.
+    """
+    B, T = prompts.shape
+    cache = init_cache(model.cfg, B, cache_len, model.dtype)
+    batch = Batch(start=jnp.zeros((B,), jnp.int32), n_valid=prompt_lengths)
+    # Batch-invariant: attention spans the whole cache in every pass, prefill included.
+    target = model(prompts, batch, cache, kv_len=cache_len if invariant_rows() else T, taps=plan_taps(plan))
+    last = target.hidden[jnp.arange(B), prompt_lengths - 1]
+    return start_decode(model, draft, target, last, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done,
+                        speculate, cache_len=cache_len, do_sample=do_sample, plan=plan,
+                        num_logprobs=num_logprobs)
+
+
+def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, last, prompts, prompt_lengths, max_lengths,
+                 stop_ids, sampling: RowSampling, done, speculate, *, cache_len: int, do_sample: bool,
+                 plan: SpecPlan | None, num_logprobs: int | None = None) -> DecodeState:
+    """What prefill does after the target's pass over the prompts: sample each row's first token
+    from last [B, H], the hidden state at its last prompt position, and start the proposer on
+    the target's outputs. target: that pass's `ForwardOut` (the caches holding the prompts;
+    hidden [B, T, H] and taps, read only by a proposer); the other arguments as `prefill`'s."""
+    B, T = prompts.shape
+    cache = target.cache
+    history = None if sampling.penalties is None else TokenHistory.of_prompts(prompts, prompt_lengths,
+                                                                              model.cfg.vocab_size)
+    raw = model.logits(last)
+    first = sample_tokens(process_logits(raw, sampling, prompt_lengths, history), sampling, prompt_lengths,
+                          do_sample=do_sample)
+    tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :T].set(prompts)
+    logprobs = None if num_logprobs is None else EmittedLogprobs.empty(B, cache_len, num_logprobs)
+    state = DecodeState(tokens, prompt_lengths, prompt_lengths, max_lengths, done, stop_ids, sampling, cache,
+                        jnp.zeros((), jnp.int32), speculate, history=history, logprobs=logprobs)
+    state = append_tokens(state, first[:, None], jnp.ones_like(first), cache, raw[:, None])
+    if plan is None:
+        return state
+    choose = drafting_policy(sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
+    pstate = plan.proposer.init_state(model, draft, state.tokens, state.lengths, target, choose)
+    return dataclasses.replace(state, proposer=pstate, stats=SpecStats.zeros(B, plan.k))
+
+
+def generated_before(state: DecodeState, drafts: jax.Array | None = None) -> jax.Array | None:
+    """What multi-token bad words match against (None when no row has any): the P tokens before
+    the next position, [B, P], or before each verify position after drafts [B, k], [B, k+1, P];
+    -1 in place of prompt tokens (only generated tokens count, as in vLLM)."""
+    if state.sampling.bad_words is None:
+        return None
+    P = state.sampling.bad_words[0].shape[-1]
+    idx = state.lengths[:, None] - P + jnp.arange(P)[None, :]
+    before = jnp.take_along_axis(state.tokens, jnp.maximum(idx, 0), axis=1)
+    before = jnp.where(idx >= state.prompt_lengths[:, None], before, -1)
+    if drafts is None:
+        return before
+    following = jnp.concatenate([before, drafts], axis=1)  # [B, P + k]
+    return jnp.stack([following[:, j:j + P] for j in range(drafts.shape[1] + 1)], axis=1)
+
+
+def decode_one(model: Qwen3_5Model, state: DecodeState, taps: tuple[int, ...], *,
+               do_sample: bool) -> tuple[jax.Array, ForwardOut, jax.Array]:
+    """Feed each live row's newest token; returns the next token [B], the pass's `ForwardOut` and
+    its raw logits [B, V]."""
+    B, L = state.tokens.shape
+    newest = state.tokens[jnp.arange(B), state.lengths - 1][:, None]
+    batch = Batch(start=state.lengths - 1, n_valid=(~state.done).astype(jnp.int32))
+    out = model(newest, batch, state.cache, kv_len=L, taps=taps)
+    raw = model.logits(out.hidden[:, 0])
+    logits = process_logits(raw, state.sampling, state.lengths, state.history, recent=generated_before(state))
+    return sample_tokens(logits, state.sampling, state.lengths, do_sample=do_sample), out, raw
+
+
+def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bool) -> DecodeState:
+    """Plain decoding: feed each live row's newest token and sample the next one."""
+    nxt, out, raw = decode_one(model, state, (), do_sample=do_sample)
+    state = append_tokens(state, nxt[:, None], jnp.ones_like(nxt), out.cache, raw[:, None])
+    return dataclasses.replace(state, steps=state.steps + 1)
+
+
+def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan, do_sample: bool) -> DecodeState:
+    """One speculative step: propose k drafts, verify [newest, d1..dk] in one target pass,
+    accept, roll every cache back to the accepted prefix, append n_acc + 1 tokens per row.
+
+    Rows that do not speculate (or whose proposer found nothing) carry n_draft = 0: their
+    verify pass is a plain decode step of one token, in the same batch. For proposers that can
+    come up empty (`may_not_draft`: ngram), a step where no row has a draft runs a one-token pass
+    instead of the k+1 verify; other methods always draft, and compile only the verify.
+    """
+    B, L = state.tokens.shape
+    k, rows, live = plan.k, jnp.arange(B), ~state.done
+    choose = drafting_policy(state.sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
+    drafts, n_draft, q, pstate = plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths,
+                                                       choose)
+    # No drafting for opted-out or finished rows, nor past a row's last allowed token.
+    room = jnp.maximum(state.max_lengths - state.lengths - 1, 0)
+    n_draft = jnp.where(state.speculate & live, jnp.minimum(n_draft, room), 0)
+    newest = state.tokens[rows, state.lengths - 1]
+
+    def verify(_):
+        inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
+        batch = Batch(start=state.lengths - 1, n_valid=jnp.where(live, n_draft + 1, 0))
+        target = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback, taps=plan_taps(plan))
+        positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
+        counts = None if state.history is None else state.history.through(drafts)
+        raw = model.logits(target.hidden)
+        logits = process_logits(raw, state.sampling, positions, state.history, counts,
+                                generated_before(state, drafts))
+        if plan.acceptance == "synthetic":
+            n_acc, emitted = accept_synthetic(state.acceptance_rates, logits, drafts, n_draft,
+                                              state.sampling, state.lengths, do_sample=do_sample)
+        else:
+            n_acc, emitted = accept_drafts(logits, drafts, n_draft, q, state.sampling, state.lengths,
+                                           do_sample=do_sample)
+        cache = model.commit(target.cache, target.pending, jnp.where(live, n_acc + 1, 0))
+        return n_acc, emitted, cache, dataclasses.replace(target, cache=None, pending=None), kept(raw)
+
+    def decode_only(_):
+        # `decode_one`, its outputs padded to the k+1 positions proposers read (past
+        # n_acc + 1 = 1 they are never read).
+        nxt, target, raw = decode_one(model, state, plan_taps(plan), do_sample=do_sample)
+        pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, k), (0, 0)))  # noqa: E731
+        emitted = jnp.concatenate([nxt[:, None], drafts], axis=1)
+        return (jnp.zeros_like(n_draft), emitted, target.cache, ForwardOut(pad(target.hidden), None, pad(target.taps)),
+                kept(pad(raw[:, None])))
+
+    def kept(raw):  # the raw logits leave the branch only when logprobs are kept
+        return None if state.logprobs is None else raw
+
+    if getattr(plan.proposer, "may_not_draft", False):
+        n_acc, emitted, cache, target, raw = jax.lax.cond(jnp.any(n_draft > 0), verify, decode_only, None)
+    else:
+        n_acc, emitted, cache, target, raw = verify(None)
+    pstate = plan.proposer.update(model, draft, pstate, target, emitted, n_acc, state.lengths, choose)
+
+    s = state.stats
+    accepted_at = (jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None]
+    stats = SpecStats(s.drafted + n_draft, s.accepted + jnp.where(live, n_acc, 0),
+                      s.num_drafts + (n_draft > 0), s.per_position + accepted_at)
+    state = append_tokens(state, emitted, n_acc + 1, cache, raw)
+    return dataclasses.replace(state, proposer=pstate, stats=stats, steps=state.steps + 1)
+
+
+def decode_loop(model: Qwen3_5Model, draft, state: DecodeState, max_steps, *, do_sample: bool,
+                plan: SpecPlan | None = None) -> DecodeState:
+    """Steps in a `lax.while_loop` until every row is done or `max_steps` more steps ran: the
+    plain `decode_step`, or `spec_step` when a plan is given. max_steps is traced, so
+    streaming in chunks reuses one executable."""
+    stop_at = state.steps + max_steps
+    step = partial(decode_step, do_sample=do_sample) if plan is None else partial(spec_step, plan=plan,
+                                                                                     do_sample=do_sample)
+
+    def cond(s):
+        return jnp.any(~s.done) & (s.steps < stop_at)
+
+    return jax.lax.while_loop(cond, partial(step, model, draft), state)
+
+
+def forward_logits(model: Qwen3_5Model, draft, tokens, length, *, cache_len: int):
+    """Full-sequence logits of one right-padded sequence: tokens [1, T], length [1] -> [1, T, V]."""
+    cache = init_cache(model.cfg, 1, cache_len, model.dtype)
+    batch = Batch(start=jnp.zeros((1,), jnp.int32), n_valid=length)
+    return model.logits(model(tokens, batch, cache, kv_len=tokens.shape[1]).hidden)
+
+
+def prompt_logprobs(model: Qwen3_5Model, draft, tokens, length, *, num: int):
+    """vLLM's prompt logprobs of one right-padded prompt: tokens [1, T], length [1] -> (token [T-1],
+    rank [T-1], top_ids [T-1, num], top [T-1, num]) for prompt tokens 1..T-1, from the raw logits
+    at the position before each (`ranked_logprobs`). Logits are made CHUNK positions at a time,
+    so a long prompt never holds [T, V] at once."""
+    T = tokens.shape[1]
+    cache = init_cache(model.cfg, 1, T, model.dtype)
+    hidden = model(tokens, Batch(start=jnp.zeros((1,), jnp.int32), n_valid=length), cache, kv_len=T).hidden[0]
+    following = jnp.concatenate([tokens[0, 1:], tokens[0, :1]])  # the token each position predicts; the last unused
+
+    def chunk(args):
+        h, nxt = args
+        return ranked_logprobs(model.logits(h), nxt, num)
+
+    blocks = (hidden.reshape(T // CHUNK, CHUNK, -1), following.reshape(T // CHUNK, CHUNK))
+    return jax.tree.map(lambda x: x.reshape((T,) + x.shape[2:])[:-1], jax.lax.map(chunk, blocks))
+
+
