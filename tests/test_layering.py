@@ -1,6 +1,15 @@
-"""The import graph keeps its layers: kernels <- models <- proposers <- engine <- loading <- writing
-<- api <- training and bench. Every import counts, also one inside a function, so a cycle cannot
-hide in a late import."""
+"""What keeps the code's shape from growing back, checked on every run:
+
+- the import graph keeps its layers: kernels <- models <- proposers <- engine <- loading <- writing
+  <- api <- training and bench. Every import counts, also one inside a function, so a cycle cannot
+  hide in a late import;
+- no module of the packages or bench is over MAX_LINES lines, unless LONG_MODULES names it with the
+  reason it stays whole;
+- no module assigns to another module's or class's attribute, to another object's private one, or
+  through another object's attribute (behaviour is chosen by config fields, never by patching);
+- BENCHMARKS.md holds the current table per topic (history lives in git): at most MAX_BENCHMARKS_LINES.
+
+Each check is shown failing on a planted violation."""
 
 import ast
 from pathlib import Path
@@ -11,6 +20,16 @@ PACKAGES = ("pallas_kernels", "models", "proposers", "spec_jax", "bench")
 LAYERS = {"pallas_kernels": 0, "models": 1, "proposers": 2, "spec_jax.engine": 3, "spec_jax.loading": 4,
           "spec_jax.writing": 5, "spec_jax.default_model": 6, "spec_jax.api": 7, "spec_jax": 8,
           "spec_jax.training": 8, "bench": 9}
+
+
+MAX_LINES = 500
+LONG_MODULES = {
+    "models/qwen3_5.py": "one model: its config, the two mixers and the decoder stack, read top to bottom",
+    "pallas_kernels/quant_matmul.py": "one op per kernel file: the quantized matmul's formats, PTX and dispatcher",
+    "spec_jax/training/train.py": "the training script: its stages share one schedule, loss and evaluation loop",
+}
+MAX_BENCHMARKS_LINES = 400
+OWN = {"self", "cls"}  # an object may set its own attributes
 
 
 def module_name(path: Path) -> str:
@@ -86,3 +105,100 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     assert upward_imports(fake) == ["pallas_kernels.gdn_recurrent (layer 0) imports models.qwen3_5 (layer 1)"]
     assert find_cycles(fake) == {("models.qwen3_5", "pallas_kernels.gdn_recurrent")}
     assert "spec_jax.engine.core" in graph()["spec_jax.api.llm"]  # the real graph's imports are seen
+
+
+def long_modules(limit: int = MAX_LINES) -> list[str]:
+    """Package and bench modules over `limit` lines that LONG_MODULES does not name."""
+    found = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            name, lines = path.relative_to(ROOT).as_posix(), len(path.read_text().splitlines())
+            if lines > limit and name not in LONG_MODULES:
+                found.append(f"{name}: {lines} lines")
+    return found
+
+
+def outside_assignments(source: str) -> list[str]:
+    """Assignments (and del, setattr) in `source` to another module's or class's attribute (one
+    it imports or a class it defines, set from outside the class), to another object's private
+    attribute, or through another object's attribute (`llm.engine.plan = ...`), as "line: target"."""
+    tree = ast.parse(source)
+    imported, classes = set(), {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.update(a.asname or a.name for a in node.names)
+
+    def outside(target) -> bool:
+        attrs = []
+        while isinstance(target, ast.Attribute):
+            attrs.append(target.attr)
+            target = target.value
+        root = target.id if isinstance(target, ast.Name) else None
+        private = attrs[0].startswith("_") and not attrs[0].endswith("__")
+        return root not in OWN and (root in imported or root in classes or len(attrs) > 1 or private)
+
+    found = []
+    for node in ast.walk(tree):
+        targets = {ast.Assign: lambda n: n.targets, ast.AugAssign: lambda n: [n.target],
+                   ast.AnnAssign: lambda n: [n.target], ast.Delete: lambda n: n.targets}.get(type(node), lambda n: [])
+        for target in targets(node):
+            for t in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                if isinstance(t, ast.Attribute) and outside(t):
+                    found.append((node.lineno, ast.unparse(t)))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+                and node.args and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in imported | classes):
+            found.append((node.lineno, ast.unparse(node)))
+    return [f"{line}: {what}" for line, what in sorted(found)]
+
+
+def assignments_from_outside() -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{hit}" for pkg in PACKAGES for path in sorted((ROOT / pkg).rglob("*.py"))
+            for hit in outside_assignments(path.read_text())]
+
+
+def test_no_module_is_over_the_line_limit():
+    assert not long_modules(), "split these, or name them in LONG_MODULES with a reason"
+
+
+def test_the_allow_list_names_only_long_modules():
+    short = [name for name in LONG_MODULES if len((ROOT / name).read_text().splitlines()) <= MAX_LINES]
+    assert not short, f"{short} fit in {MAX_LINES} lines now: drop them from LONG_MODULES"
+
+
+def test_no_module_patches_another():
+    found = assignments_from_outside()
+    assert not found, "\n".join(found)
+
+
+def test_benchmarks_md_is_a_reference_not_a_log():
+    lines = len((ROOT / "BENCHMARKS.md").read_text().splitlines())
+    assert lines <= MAX_BENCHMARKS_LINES, f"BENCHMARKS.md has {lines} lines: keep the current table per topic"
+
+
+def test_the_checks_see_long_modules_and_patches():
+    assert "spec_jax/engine/core.py" in " ".join(long_modules(limit=100))  # a real module over a lower limit
+    planted = """
+import models.qwen3_5
+from models import qwen3_5
+from models.qwen3_5 import DecoderLayer
+
+class Engine:
+    pass
+
+def configure(llm, engine, out):
+    models.qwen3_5.gdn_chunked = None
+    qwen3_5.DecoderLayer.fuse_projections = lambda self: None
+    DecoderLayer.fuse_projections += 1
+    Engine.plan: int = 1
+    setattr(qwen3_5, "CHUNK", 32)
+    llm.engine.plan = None
+    engine._compiled = None
+    del engine._compiled
+    out.index, self.ok, run.__name__ = 0, 1, "run"
+"""
+    assert [hit.split(": ")[1] for hit in outside_assignments(planted)] == [
+        "models.qwen3_5.gdn_chunked", "qwen3_5.DecoderLayer.fuse_projections", "DecoderLayer.fuse_projections",
+        "Engine.plan", "setattr(qwen3_5, 'CHUNK', 32)", "llm.engine.plan", "engine._compiled", "engine._compiled"]
