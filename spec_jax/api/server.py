@@ -21,25 +21,22 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import re
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from spec_jax.api.chat import ChatTemplate, RequestError
 from spec_jax.api.llm import LLM
-from spec_jax.api.openai_requests import (APIError, ChatBody, CompletionBody, body_error, check_tools, refuse_unsupported,
-                                          sampling_params, stop_strings)
+from spec_jax.api.openai_requests import (APIError, ChatBody, CompletionBody, SamplingFields, body_error, check_tools,
+                                          refuse_unsupported, sampling_params, stop_strings)
 from spec_jax.api.scheduler import Scheduler, Update
 from spec_jax.engine.detokenize import TextDelta
-from spec_jax.engine.params import MAX_LOGPROBS, Logprob, SamplingParams, fan_out
+from spec_jax.engine.params import Logprob, SamplingParams, fan_out
 
 
 # ----------------------------------------------------------------------------- the app
