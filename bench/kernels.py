@@ -58,7 +58,8 @@ def loop_time_us(step, carry, reps: int = 200) -> float:
 
 def gdn_case(B, T, nv, keep, rng):
     nk, d = 16, 128
-    f = lambda *s, dt=jnp.bfloat16: jnp.asarray(rng.normal(size=s), dt)
+    def f(*s, dt=jnp.bfloat16):
+        return jnp.asarray(rng.normal(size=s), dt)
     q, k, v = f(B, T, nk, d), f(B, T, nk, d), f(B, T, nv, d)
     g = -jnp.asarray(rng.uniform(0, 2, (B, T, nv)), jnp.float32)
     beta = jnp.asarray(rng.uniform(size=(B, T, nv)), jnp.float32)
@@ -73,7 +74,8 @@ def gdn_case(B, T, nv, keep, rng):
     t_xla = loop_time_us(stepper(gdn_recurrent_reference), s0)
     state_bytes = B * nv * d * d * 4
     nbytes = 2 * state_bytes + (T * state_bytes if keep else 0) + q.nbytes + k.nbytes + v.nbytes + B * T * nv * d * 4
-    return {"op": "gdn_recurrent", "B": B, "T": T, "nv": nv, "keep_states": keep, "max_rel_err": max_rel_error(got, want),
+    return {"op": "gdn_recurrent", "B": B, "T": T, "nv": nv, "keep_states": keep,
+            "max_rel_err": max_rel_error(got, want),
             "kernel_us": t_kernel, "xla_us": t_xla, "speedup_vs_xla": t_xla / t_kernel,
             "kernel_GB_s": nbytes / t_kernel / 1e3}
 
@@ -103,7 +105,8 @@ def tilings(fmt: str, M: int) -> list[Tiling]:
     multiply_and_sum, many_rows) are among them."""
     if fmt == "fp8_block":
         shapes = [(64, 256, 1, 4, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (64, 128, 1, 4, 3), (64, 512, 2, 8, 3)]
-        gemv = [(16, 512, 1, 4, 3, False), (16, 256, 1, 4, 3, False), (16, 256, 1, 4, 4, True), (16, 512, 2, 8, 4, True),
+        gemv = [(16, 512, 1, 4, 3, False), (16, 256, 1, 4, 3, False), (16, 256, 1, 4, 4, True),
+                (16, 512, 2, 8, 4, True),
                 (32, 256, 4, 4, 4, True), (16, 256, 4, 4, 4, True)]
     elif fmt == "nvfp4":
         shapes = [(32, 128, 1, 4, 3), (32, 128, 4, 4, 3), (64, 128, 4, 4, 3), (32, 256, 2, 4, 3), (16, 256, 4, 4, 3)]
@@ -113,7 +116,8 @@ def tilings(fmt: str, M: int) -> list[Tiling]:
         shapes = [(64, 128, 1, 4, 3), (64, 256, 1, 4, 3), (32, 256, 2, 4, 3), (32, 512, 1, 4, 3),
                   (64, 256, 2, 4, 4), (64, 512, 2, 8, 3), (128, 256, 4, 8, 3), (32, 256, 4, 4, 4)]
         gemv = [(16, 256, 1, 4, 3, True), (16, 128, 1, 4, 3, True), (8, 256, 1, 4, 3, True), (16, 256, 1, 4, 4, True),
-                (16, 512, 1, 4, 3, False), (16, 256, 1, 4, 3, False), (16, 256, 1, 8, 4, True), (16, 256, 2, 8, 4, True),
+                (16, 512, 1, 4, 3, False), (16, 256, 1, 4, 3, False), (16, 256, 1, 8, 4, True),
+                (16, 256, 2, 8, 4, True),
                 (16, 256, 4, 4, 4, True), (16, 512, 2, 8, 4, True)]
     if M > 8:
         shapes = shapes[:3]
@@ -169,8 +173,10 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
     w_bf16 = cold_copies(w, N * K * 2, lambda w: w.astype(jnp.bfloat16))
     w_fp8 = cold_copies(w, N * K, lambda w: w.astype(jnp.float8_e4m3fn))
     nt = (((1,), (1,)), ((), ()))
-    bf16_dot = lambda x, w: jax.lax.dot_general(x, w, nt, preferred_element_type=jnp.bfloat16)
-    fp8_dot = lambda x, w: jax.lax.dot_general(x.astype(jnp.float8_e4m3fn), w, nt, preferred_element_type=jnp.bfloat16)
+    def bf16_dot(x, w):
+        return jax.lax.dot_general(x, w, nt, preferred_element_type=jnp.bfloat16)
+    def fp8_dot(x, w):
+        return jax.lax.dot_general(x.astype(jnp.float8_e4m3fn), w, nt, preferred_element_type=jnp.bfloat16)
     rows = []
     for M in rows_tried:
         x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
@@ -199,19 +205,22 @@ def quant_cases(rng, ceiling, rows_tried, shape, formats=FORMATS):
                 tried[str(dataclasses.astuple(tiling))] = round(us, 1)
                 if best is None or us < best["device_us"]:
                     best = {"op": f"quant_matmul_{fmt}", "M": M, "tiling": dataclasses.astuple(tiling), "rel_err": err,
-                            "device_us": us, "kernel_us": kernels.get(f"quant_matmul_{fmt}", kernels.get(f"quant_gemv_{fmt}", float("nan"))),
+                            "device_us": us, "kernel_us": kernels.get(f"quant_matmul_{fmt}",
+                                                                      kernels.get(f"quant_gemv_{fmt}", float("nan"))),
                             "kernels": kernels}
             if best is None:
                 rows.append({"op": f"quant_matmul_{fmt}", "M": M, "tried": tried})
             else:
-                loop_us = matmul_time_us(functools.partial(quant_matmul_pallas, w=qw, tiling=Tiling(*best["tiling"])), x)
+                loop_us = matmul_time_us(functools.partial(quant_matmul_pallas, w=qw, tiling=Tiling(*best["tiling"])),
+                                         x)
                 dispatch_us, dispatch_kernels = cold_device_us(quant_matmul, xs, qws)  # its own tiling, SM rounds
-                of = lambda us: wbytes / us / 1e3 / ceiling
+                def of(us):
+                    return wbytes / us / 1e3 / ceiling
                 best.update(loop_us=loop_us, weight_bytes=wbytes, of_ceiling=of(best["device_us"]),
                             kernel_of_ceiling=of(best["kernel_us"]), loop_of_ceiling=of(loop_us),
                             vs_bf16=bf16_us / best["device_us"], vs_fp8xfp8=fp8_us / best["device_us"],
-                            dispatch_us=dispatch_us, dispatch_of_ceiling=of(dispatch_us), dispatch_kernels=dispatch_kernels,
-                            tried=tried)
+                            dispatch_us=dispatch_us, dispatch_of_ceiling=of(dispatch_us),
+                            dispatch_kernels=dispatch_kernels, tried=tried)
                 rows.append(best)
             print(json.dumps(rows[-1]), flush=True)
             if fmt == "nvfp4" and M <= MOSAIC_MAX_ROWS and has_tma(jax.devices()[0]):
@@ -231,7 +240,8 @@ def mosaic_case(xs, qws, wbytes, ceiling, bf16_us) -> dict:
         return {"op": op, "M": M, "shape": list(qws[0].shape), "tiling": None}
     f = jax.jit(lambda x, q: nvfp4_mosaic_matmul(x, q, sm_count))
     x, errors = xs[0], {}
-    for name, rows in (("normal", x), ("x3e4", x * 3e4), ("x1e-5", x * 1e-5), ("halves", x.at[:, : K // 2].multiply(1e-4))):
+    for name, rows in (("normal", x), ("x3e4", x * 3e4), ("x1e-5", x * 1e-5),
+                       ("halves", x.at[:, : K // 2].multiply(1e-4))):
         rows = rows.astype(jnp.bfloat16)
         got = f(rows, qws[0])
         errors[name] = max_rel_error(got, quant_matmul_reference(rows.astype(jnp.float32), qws[0]))
@@ -251,13 +261,15 @@ def fla_run(q, k, v, g, beta, s0):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as e:
         return {"fla_error": f"not installed: {e}"}, None
-    t = lambda x: torch.tensor(np.asarray(x)).cuda()
+    def t(x):
+        return torch.tensor(np.asarray(x)).cuda()
     r = v.shape[2] // q.shape[2]  # grouped value heads: repeat q/k per value head, as HF does before FLA
     tq, tk = (t(x.astype(jnp.float32)).bfloat16().repeat_interleave(r, dim=2) for x in (q, k))
     tv = t(v.astype(jnp.float32)).bfloat16()
     tg, tb, ts = t(g), t(beta), t(s0)
-    run = lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
-                                         use_qk_l2norm_in_kernel=True)
+    def run():
+        return chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
     try:
         o, s = run()
         outputs = (jnp.asarray(o.float().cpu().numpy()), jnp.asarray(s.float().cpu().numpy()))
@@ -287,7 +299,8 @@ def torch_gpu_time(run, calls: int = 5) -> dict:
 CHUNKED_VARIANTS = {  # name: the op timed; "dispatcher" is what a model runs (bf16: bf16 operands and output)
     "dispatcher": gdn_chunked,
     "f32": functools.partial(gdn_chunked_pallas, operands=jnp.float32),
-    "bf16_bv64_s2": functools.partial(gdn_chunked_pallas, operands=jnp.bfloat16, state_stages=2, out_dtype=jnp.bfloat16),
+    "bf16_bv64_s2": functools.partial(gdn_chunked_pallas, operands=jnp.bfloat16, state_stages=2,
+                                      out_dtype=jnp.bfloat16),
     "bf16_bv128_s3": functools.partial(gdn_chunked_pallas, operands=jnp.bfloat16, block_v=128, out_dtype=jnp.bfloat16),
     "bf16_bv32_s3": functools.partial(gdn_chunked_pallas, operands=jnp.bfloat16, block_v=32, out_dtype=jnp.bfloat16),
 }
@@ -303,7 +316,8 @@ def call_time_us(fn, args: tuple, reps: int = 20) -> float:
 def chunked_args(rng, T: int) -> tuple:
     """(q, k, v, g, beta, state) for one row at the 27B GDN shape (16 key / 48 value heads, 128 dims)."""
     B, nk, nv, d = 1, 16, 48, 128
-    f = lambda *s, dt=jnp.bfloat16: jnp.asarray(rng.normal(size=s), dt)
+    def f(*s, dt=jnp.bfloat16):
+        return jnp.asarray(rng.normal(size=s), dt)
     g = -jnp.asarray(rng.uniform(0, 1, (B, T, nv)), jnp.float32)
     beta = jnp.asarray(rng.uniform(size=(B, T, nv)), jnp.float32)
     return f(B, T, nk, d), f(B, T, nk, d), f(B, T, nv, d), g, beta, f(B, nv, d, d, dt=jnp.float32)

@@ -82,7 +82,8 @@ def main() -> None:
         base = None
         for name, T, rb in runs:
             tokens = jnp.ones((B, T), jnp.int32)
-            row = {"batch": B, "pass": name, "layers": layout_name(args.rolled_layers), "quantization": args.quantization}
+            row = {"batch": B, "pass": name, "layers": layout_name(args.rolled_layers),
+                   "quantization": args.quantization}
             for with_logits in (False, True):
                 fn = jax.jit(lambda p, t, s, c, rb=rb, wl=with_logits: forward(p, t, s, c, rb, wl))
                 row["ms_with_logits" if with_logits else "ms_body"] = timed(fn, params, tokens, start, cache)

@@ -90,7 +90,8 @@ class Qwen3Config:
         """
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; Qwen3Model runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(f"unsupported model_type {model_type!r}; Qwen3Model runs "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         raw = dict(config)
         # transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` and `rope_scaling`.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})

@@ -113,7 +113,8 @@ class Qwen3_5Config:
                                ("rope_theta", lambda x: x > 0, "> 0"),
                                ("partial_rotary_factor", lambda x: 0 < x <= 1, "in (0, 1]")):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not ok(value)):
                 raise ValueError(f"{name}={value!r} must be a number {rule}")
         ids = [*self.eos_token_id, *([] if self.bos_token_id is None else [self.bos_token_id])]
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31 for t in ids):
@@ -397,10 +398,12 @@ def commit_gdn(cache: GDNCache, pending: GDNPending, n_used: jax.Array, K: int) 
     window = jax.vmap(conv_window, in_axes=(0, None, None))(pending.seq, n_used, K)
     if pending.states is not None:
         last = jnp.maximum(n_used - 1, 0)[None, :, None, None, None, None]
-        picked = jnp.take_along_axis(pending.states, jnp.broadcast_to(last, (G, B, 1, *pending.states.shape[3:])), axis=2)
+        picked = jnp.take_along_axis(pending.states, jnp.broadcast_to(last, (G, B, 1, *pending.states.shape[3:])),
+                                     axis=2)
         state = jnp.where((n_used > 0)[None, :, None, None, None], picked[:, :, 0], cache.state)  # 0 kept: unchanged
     else:
-        flat = lambda x: x.reshape(G * B, *x.shape[2:])
+        def flat(x):
+            return x.reshape(G * B, *x.shape[2:])
         keep = (jnp.arange(T)[None, :] < n_used[:, None])[None, :, :, None]  # [1, B, T, 1]
         decay, beta = jnp.where(keep, pending.decay, 0.0), jnp.where(keep, pending.beta, 0.0)
         k = flat(pending.k)

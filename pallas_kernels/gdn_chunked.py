@@ -63,7 +63,8 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk: int = CHUNK):
     k_beta = k * beta[..., None]
     strictly_lower = (k_beta @ jnp.swapaxes(k, -1, -2)) * decay * ~jnp.eye(chunk, dtype=bool)
     system = jnp.eye(chunk) + strictly_lower  # (I + A), unit lower triangular
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    def solve(rhs):
+        return jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
     new_values = solve(v * beta[..., None])  # U = (I + A)^-1 (beta v)
     state_keys = solve(k_beta * jnp.exp(G)[..., None])  # W = (I + A)^-1 (beta k exp(G))
     intra = (q @ jnp.swapaxes(k, -1, -2)) * decay  # causal q.k within the chunk, diagonal included
@@ -204,19 +205,24 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v
         precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
         solve_precision = precision if dt == jnp.float32 else jax.lax.DotAlgorithmPreset.TF32_TF32_F32
     kw = dict(dt=dt, precision=precision)
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+    def pad(x):
+        return jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
     q, k, v = pad(q), pad(k), pad(v)  # [B, Tp, heads, d]: read in place, chunk rows strided by heads
     g, beta = (pad(x.astype(jnp.float32)) for x in (g, beta))  # [B, Tp, nv], read in place like q, k, v
     G = jnp.cumsum(g.reshape(B, n, CHUNK, nv), axis=2).reshape(B, Tp, nv)  # within-chunk cumulative decay
-    params = lambda stages, warps=4: plt.CompilerParams(num_warps=warps, num_stages=stages)
+    def params(stages, warps=4):
+        return plt.CompilerParams(num_warps=warps, num_stages=stages)
 
     # chunk-parallel grid (row * value head, chunk)
-    token_major = lambda d, by_key: pl.BlockSpec(
-        (None, CHUNK, None, d), lambda bh, c: (bh // nv, c, (bh % nv) // r if by_key else bh % nv, 0))
-    head_major = lambda d: pl.BlockSpec((None, None, CHUNK, d), lambda bh, c: (bh // nv, bh % nv, c, 0))
+    def token_major(d, by_key):
+        return pl.BlockSpec((None, CHUNK, None, d),
+                            lambda bh, c: (bh // nv, c, (bh % nv) // r if by_key else bh % nv, 0))
+    def head_major(d):
+        return pl.BlockSpec((None, None, CHUNK, d), lambda bh, c: (bh // nv, bh % nv, c, 0))
     gate = pl.BlockSpec((None, CHUNK, None), lambda bh, c: (bh // nv, c, bh % nv))
     factors = pl.BlockSpec((None, None, CHUNK), lambda bh, c: (bh // nv, bh % nv, c))
-    inter = lambda d: jax.ShapeDtypeStruct((B, nv, Tp, d), dt)
+    def inter(d):
+        return jax.ShapeDtypeStruct((B, nv, Tp, d), dt)
     u, w, f = pl.pallas_call(
         functools.partial(_wy_kernel, solve_precision=solve_precision, **kw),
         out_shape=[inter(dv), inter(dk), jax.ShapeDtypeStruct((B, nv, Tp), jnp.float32)],
@@ -227,7 +233,8 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v
     )(k, v, G, beta)
 
     # sequential grid (row * value head, block of value columns)
-    all_tokens = lambda d: pl.BlockSpec((None, None, Tp, d), lambda bh, iv: (bh // nv, bh % nv, 0, 0))
+    def all_tokens(d):
+        return pl.BlockSpec((None, None, Tp, d), lambda bh, iv: (bh // nv, bh % nv, 0, 0))
     value_cols = pl.BlockSpec((None, None, Tp, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
     by_state = pl.BlockSpec((None, None, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
     keys = pl.BlockSpec((None, Tp, None, dk), lambda bh, iv: (bh // nv, 0, (bh % nv) // r, 0))
@@ -235,7 +242,8 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v
     whole_gate = pl.BlockSpec((None, Tp, None), lambda bh, iv: (bh // nv, 0, bh % nv))
     h, v_new, final = pl.pallas_call(
         functools.partial(_state_kernel, chunk=CHUNK, **kw),
-        out_shape=[jax.ShapeDtypeStruct((B, nv, n, dk, dv), dt), inter(dv), jax.ShapeDtypeStruct(state.shape, jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B, nv, n, dk, dv), dt), inter(dv),
+                   jax.ShapeDtypeStruct(state.shape, jnp.float32)],
         grid=(B * nv, dv // block_v),
         in_specs=[value_cols, all_tokens(dk), keys, key_factors, whole_gate, by_state],
         out_specs=[pl.BlockSpec((None, None, n, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, 0, iv)),

@@ -106,8 +106,10 @@ def gdn_recurrent_pallas(q, k, v, g, beta, state, *, keep_states: bool = False, 
     B, T, nk, dk = q.shape
     nv, dv = v.shape[2], v.shape[3]
     r, Tp = nv // nk, next_pow2(T)
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-    head_major = lambda x: jnp.moveaxis(pad(x), 2, 1)  # [B, T, H, ...] -> [B, H, Tp, ...]
+    def pad(x):
+        return jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+    def head_major(x):
+        return jnp.moveaxis(pad(x), 2, 1)  # [B, T, H, ...] -> [B, H, Tp, ...]
     q, k, v = head_major(q), head_major(k), head_major(v)
     g, beta = head_major(g.astype(jnp.float32)), head_major(beta.astype(jnp.float32))
     grid = (B * nv, dv // block_v)

@@ -72,7 +72,8 @@ def scaled_pairs(words: list, tops) -> tuple[list, ir.Value]:
     values = []  # value 2m is word m's low half, 2m + 1 its high half
     for w in words:
         values += [arith.mulf(as_f32(bits), scale) for bits in (arith.shli(w, const(16)), arith.andi(w, const(-65536)))]
-    pair = lambda low, high: inline_asm([i32()], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [high, low])[0]  # high lane first
+    def pair(low, high):
+        return inline_asm([i32()], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [high, low])[0]  # high lane first
     pairs = [[pair(values[8 * word + low], values[8 * word + high]) for low, high in X_PAIR_VALUES["nvfp4"]]
              for word in range(len(words) // 4)]
     return pairs, power_of_two(arith.subi(const(0), shift))

@@ -168,7 +168,8 @@ def _step_products(t: MosaicTiling, rows: int, codes, scales, x_step, acc):
     R = t.rows_a_thread
     for r, row in enumerate(t.thread_rows(warp)):
         row = as_index(row)
-        words = vector.load(ir.VectorType.get((WORDS_A_GROUP,), i32()), codes, [row, as_index(arith.muli(group, const(2)))])
+        words = vector.load(ir.VectorType.get((WORDS_A_GROUP,), i32()), codes,
+                            [row, as_index(arith.muli(group, const(2)))])
         halves = inline_asm([i32()] * 8, _DECODE_PTX, _DECODE_CONSTRAINTS, [element(words, 0), element(words, 1)])
         scale_byte = arith.extui(i32(), memref.load(scales, [row, as_index(group)]))
         [scale] = inline_asm([f32], _E4M3_TO_F32_PTX, "=f,r", [scale_byte])
@@ -195,14 +196,17 @@ def _store_rows(t: MosaicTiling, rows: int, acc, out, global_scale, partials):
             for distance in (16, 8, 4, 2, 1):
                 total = arith.addf(total, mgpu_utils.shfl_bfly(total, distance))
             if t.groups == 1:
-                memref.store(arith.truncf(out_type, arith.mulf(total, factor)), out, [as_index(const(m)), as_index(row)])
+                memref.store(arith.truncf(out_type, arith.mulf(total, factor)), out,
+                             [as_index(const(m)), as_index(row)])
             else:
-                memref.store(total, partials, [as_index(const(m)), as_index(row), as_index(arith.remui(warp, const(t.groups)))])
+                memref.store(total, partials,
+                             [as_index(const(m)), as_index(row), as_index(arith.remui(warp, const(t.groups)))])
     if t.groups > 1:
         mgpu_utils.warpgroup_barrier()
         row = arith.remui(mgpu_utils.thread_idx(), const(t.bn))
         for m in range(rows):
-            at = lambda gi: [as_index(const(m)), as_index(row), as_index(const(gi))]
+            def at(gi):
+                return [as_index(const(m)), as_index(row), as_index(const(gi))]
             total = memref.load(partials, at(0))
             for gi in range(1, t.groups):
                 total = arith.addf(total, memref.load(partials, at(gi)))

@@ -56,16 +56,20 @@ def _word_ptx(halves: int) -> str:
     (g + 8, t + 4); B's is k pairs t, t + 4 of column g."""
     rows = [[f"${6 + 4 * h + i}" for i in range(4)] for h in range(halves)] + [["z"] * 4] * (2 - halves)
     c = ",".join(f"${6 + 4 * halves + i}" for i in range(4))
-    a = lambda i, j: f"{{{rows[0][i]},{rows[1][i]},{rows[0][j]},{rows[1][j]}}}"
-    return ("{\n.reg .b32 t, u, z, h<4>;\nmov.b32 z, 0;\n" + nvfp4_decode_ptx(("$4",), [f"h{i}" for i in range(4)]) + "\n"
+    def a(i, j):
+        return f"{{{rows[0][i]},{rows[1][i]},{rows[0][j]},{rows[1][j]}}}"
+    return ("{\n.reg .b32 t, u, z, h<4>;\nmov.b32 z, 0;\n"
+            + nvfp4_decode_ptx(("$4",), [f"h{i}" for i in range(4)]) + "\n"
             + " ".join(f"mul.f16x2 h{i}, h{i}, $5;" for i in range(4)) + "\n"
             + f"{_MMA} {{$0,$1,$2,$3}}, {a(0, 1)}, {{h0,h1}}, {{{c}}};\n"
             + f"{_MMA} {{$0,$1,$2,$3}}, {a(2, 3)}, {{h2,h3}}, {{$0,$1,$2,$3}};\n}}")
 
 
-_WORD_PTX = {halves: (_word_ptx(halves), ",".join(["=f"] * 4 + ["r"] * (2 + 4 * halves) + ["f"] * 4)) for halves in (1, 2)}
+_WORD_PTX = {halves: (_word_ptx(halves), ",".join(["=f"] * 4 + ["r"] * (2 + 4 * halves) + ["f"] * 4))
+             for halves in (1, 2)}
 # An e4m3 byte -> the f16 pair (scale, scale): the byte twice, then one conversion.
-_SCALE_PAIR_PTX = "{\n.reg .b32 r;\n.reg .b16 l;\nmul.lo.u32 r, $1, 257; cvt.u16.u32 l, r; cvt.rn.f16x2.e4m3x2 $0, l;\n}"
+_SCALE_PAIR_PTX = ("{\n.reg .b32 r;\n.reg .b16 l;\n"
+                   "mul.lo.u32 r, $1, 257; cvt.u16.u32 l, r; cvt.rn.f16x2.e4m3x2 $0, l;\n}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +124,8 @@ def _x_pairs(x_step, M: int, chunk: int, warp, g, t, half: int) -> tuple[list, i
     first = arith.addi(arith.muli(warp, const(CHUNK // 2)), arith.muli(t, const(16)))
     words = []
     for q in range(4):
-        v = vector.load(ir.VectorType.get((4,), i32()), x_step, [row, as_index(const(chunk)), as_index(arith.addi(first, const(4 * q)))])
+        v = vector.load(ir.VectorType.get((4,), i32()), x_step,
+                        [row, as_index(const(chunk)), as_index(arith.addi(first, const(4 * q)))])
         words += [element(v, i) for i in range(4)]
     tops = x_tops(words)
     for distance in (1, 2):
@@ -149,18 +154,21 @@ def _step_products(t: MmaTiling, rows: int, codes, scales, x_step, acc):
     registers = list(acc.registers.flat)
     for chunk in range(t.chunks):
         x_rows = [_x_pairs(x_step, rows, chunk, warp, g, lane_t, h) for h in range(halves)]
-        word = arith.addi(arith.muli(arith.addi(const(WARPS * chunk), warp), const(CHUNK // 8)), arith.muli(lane_t, const(4)))
+        word = arith.addi(arith.muli(arith.addi(const(WARPS * chunk), warp), const(CHUNK // 8)),
+                          arith.muli(lane_t, const(4)))
         for j in range(t.n_tiles):
             row = as_index(arith.addi(const(8 * j), g))
             words = vector.load(ir.VectorType.get((4,), i32()), codes, [row, as_index(word)])
             scale_bytes = vector.load(ir.VectorType.get((2,), ir.IntegerType.get_signless(8)), scales,
                                       [row, as_index(arith.shrui(word, const(1)))])
-            scale_pairs = [inline_asm([i32()], _SCALE_PAIR_PTX, "=r,r", [arith.extui(i32(), element(scale_bytes, i))])[0]
+            scale_pairs = [inline_asm([i32()], _SCALE_PAIR_PTX, "=r,r",
+                                      [arith.extui(i32(), element(scale_bytes, i))])[0]
                            for i in range(2)]
             sums = [arith.constant(f32, 0.0)] * 4
             for k in range(4):  # the lane's words; two a group
                 x_pairs = [pair for pairs, _ in x_rows for pair in pairs[k]]
-                sums = inline_asm([f32] * 4, ptx, constraints, [element(words, k), scale_pairs[k // 2], *x_pairs, *sums])
+                sums = inline_asm([f32] * 4, ptx, constraints,
+                                  [element(words, k), scale_pairs[k // 2], *x_pairs, *sums])
             for h, (_, unscale) in enumerate(x_rows):
                 for e in range(2):
                     r = 2 * halves * j + 2 * h + e

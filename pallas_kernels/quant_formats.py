@@ -172,7 +172,8 @@ def nvfp4_decode_ptx(words: tuple[str, str], halves: list[str]) -> str:
     """PTX decoding a group's two e2m1 words (operands `words`) into its eight f16 pairs `halves`
     (h0..h7: word 0's pairs (0, 4), (2, 6), (7, 3), (5, 1), then word 1's); scratch registers t, u."""
     return "\n".join(
-        f"shl.b32 t, {w}, 8; and.b32 {halves[4 * i]}, t, {_F16_PAIR_MASK}; and.b32 {halves[4 * i + 1]}, {w}, {_F16_PAIR_MASK}; "
+        f"shl.b32 t, {w}, 8; and.b32 {halves[4 * i]}, t, {_F16_PAIR_MASK}; "
+        f"and.b32 {halves[4 * i + 1]}, {w}, {_F16_PAIR_MASK}; "
         f"brev.b32 u, {w}; shl.b32 t, u, 8; and.b32 {halves[4 * i + 2]}, t, {_F16_PAIR_MASK}; "
         f"and.b32 {halves[4 * i + 3]}, u, {_F16_PAIR_MASK};"
         for i, w in enumerate(words))

@@ -6,10 +6,11 @@ Formats, their bit layouts and decode PTX: `quant_formats`.
 Mosaic GPU kernels of nvfp4_gemv_mosaic.py and nvfp4_mma_mosaic.py; the rest this module's Triton
 kernel), dequantize-then-dot elsewhere. The Triton kernel runs one program per block of BN output
 channels (and per K range when K is split), loops over K in BK tiles, dequantizes each weight tile
-in registers and accumulates in float32. A single activation row (decode at batch 1) is contracted by packed f16 pairs in their own
-kernels (below); more rows by a bf16 tensor-core dot on rows padded to 16 (Triton's smallest). On
-the GPU the int8 and e2m1 decodes are inline PTX bit tricks (int8 without the int-to-float
-converter; e2m1 codes stored where f16 and e5m2 keep those bits, so a mask decodes them).
+in registers and accumulates in float32. A single activation row (decode at batch 1) is contracted
+by packed f16 pairs in their own kernels (below); more rows by a bf16 tensor-core dot on rows
+padded to 16 (Triton's smallest). On the GPU the int8 and e2m1 decodes are inline PTX bit tricks
+(int8 without the int-to-float converter; e2m1 codes stored where f16 and e5m2 keep those bits, so
+a mask decodes them).
 Measured one-row figures are in BENCHMARKS.md.
 """
 
@@ -25,9 +26,9 @@ from jax.experimental.pallas import triton as plt
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import nvfp4_gemv_mosaic, nvfp4_mma_mosaic
-from pallas_kernels.quant_formats import (BLOCK, E2M1_SHRINK, E5M2_E2M1_MASK, FP8, GROUP, VALUES_PER_WORD, X_PAIR_VALUES,
-                                          X_TOP_EXPONENT, QuantizedWeight, decode_e2m1, nvfp4_decode_ptx, nvfp4_sum_ptx,
-                                          quant_matmul_reference, unpack_e2m1)
+from pallas_kernels.quant_formats import (BLOCK, E2M1_SHRINK, E5M2_E2M1_MASK, FP8, GROUP, VALUES_PER_WORD,
+                                          X_PAIR_VALUES, X_TOP_EXPONENT, QuantizedWeight, decode_e2m1,
+                                          nvfp4_decode_ptx, nvfp4_sum_ptx, quant_matmul_reference, unpack_e2m1)
 from pallas_kernels.tensor_parallel import TP, on_axis, per_device, tp_size
 
 
@@ -180,8 +181,10 @@ HALF_FORMATS = ("int8", "fp8", "fp8_block", "nvfp4")
 # accumulators in. int8 and fp8 words hold 4 values; activation arrays A, B hold pairs (0, 1) and
 # (2, 3) of each word. The sum of all products, times the first word's scale, goes to the first
 # accumulator (both words share their scale).
-_PAIR_PRODUCTS = """mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p; fma.rn.f16x2 p, h2, $5, p; fma.rn.f16x2 p, h3, $7, p;
-mov.b32 {a, b}, p; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 fa, fa, fb; fma.rn.f32 $0, fa, $8, $10; mov.b32 $1, $11;
+_PAIR_PRODUCTS = """mul.f16x2 p, h0, $4; fma.rn.f16x2 p, h1, $6, p;
+fma.rn.f16x2 p, h2, $5, p; fma.rn.f16x2 p, h3, $7, p;
+mov.b32 {a, b}, p; cvt.f32.f16 fa, a; cvt.f32.f16 fb, b; add.f32 fa, fa, fb;
+fma.rn.f32 $0, fa, $8, $10; mov.b32 $1, $11;
 }"""
 _HALF_REGS = "{\n.reg .b32 t, u, m, p, q, h<8>, e<4>;\n.reg .b16 l<8>;\n.reg .f16 a, b;\n.reg .f32 fa, fb;\n"
 # int8: the byte, sign bit flipped, becomes the low byte of f16 1024 + (x + 128); subtracting 1152 leaves x.
@@ -251,7 +254,8 @@ def _half_row_kernel(x_ref, bits_ref, pairs_ref, post_ref, *, fmt: str, chunk: i
     scale = _f32_power_of_two(shift)
 
     def f16_bits(offset):  # value `offset` of each of this program's words, scaled, as f16 bits
-        return jax.lax.bitcast_convert_type((values[offset] * scale).astype(jnp.float16), jnp.int16).astype(jnp.int32) & 0xFFFF
+        return jax.lax.bitcast_convert_type((values[offset] * scale).astype(jnp.float16),
+                                            jnp.int16).astype(jnp.int32) & 0xFFFF
 
     for j, (lo, hi) in enumerate(X_PAIR_VALUES[fmt]):
         pairs_ref[j, pl.ds(c * chunk, chunk)] = f16_bits(lo) | (f16_bits(hi) << 16)
@@ -268,7 +272,8 @@ def half_row(x: jax.Array, fmt: str, ranges: int = 1, interpret: bool = False) -
     K = x.shape[1]
     W = K // VALUES_PER_WORD[fmt]
     chunk = min(128, (W // ranges) & -(W // ranges))  # a power of two (Triton's blocks) dividing a range
-    whole = lambda shape: pl.BlockSpec(shape, lambda c: (0,) * len(shape))
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda c: (0,) * len(shape))
     shapes = (len(X_PAIR_VALUES[fmt]), W), (ranges,)
     bits = jax.lax.bitcast_convert_type(x.reshape(K // 2, 2), jnp.int32)  # the same bytes: no XLA kernel
     return pl.pallas_call(
@@ -363,7 +368,8 @@ def _half_gemv(x: jax.Array, w: "QuantizedWeight", t: "Tiling", interpret: bool)
     per_word = VALUES_PER_WORD[w.format]
     x_pairs, post = half_row(x, w.format, t.split_k, interpret)
     words = jax.lax.bitcast_convert_type(w.data.reshape(N, K // per_word, 4), jnp.int32)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)
     args = (x_pairs, post, words, *_scale_operands(w))
     bw = t.block_k // per_word  # weight words a step
     big, small, small_bn = t.row_blocks(N, bw)
@@ -458,7 +464,8 @@ def quant_matmul_pallas(x: jax.Array, w: QuantizedWeight, *, tiling: Tiling = Ti
         x_main, x_odd = xb[:, 0::2], xb[:, 1::2]
     else:
         x_main, x_odd = xb, xb  # the odd-column operand is unused
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # a pointer to the whole array
+    def whole(a):
+        return pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # a pointer to the whole array
     args = (x_main, x_odd, w.data, *_scale_operands(w))
     kernel = functools.partial(_kernel, fmt=w.format, bn=t.block_n, bk=t.block_k, k_steps=K // (t.block_k * t.split_k),
                                ptx=not interpret)

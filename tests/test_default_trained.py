@@ -80,7 +80,8 @@ def test_dflash_training_objective_scores_the_block_inference_drafts(trained_dir
 
     prompt = json.loads(HELDOUT_CODE.read_text())["prompt_ids"]
     llm = LLM(model=str(trained_dir), dtype="float32", max_model_len=256, max_num_seqs=1,
-              speculative_config={"method": "dflash", "model": str(trained_dir / "dflash"), "num_speculative_tokens": 7})
+              speculative_config={"method": "dflash", "model": str(trained_dir / "dflash"),
+                                  "num_speculative_tokens": 7})
     state = llm.prefill([prompt], SamplingParams(max_tokens=8, temperature=0.0))
     model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     choose = drafting_policy(state.sampling, probabilistic=False, do_sample=False)

@@ -54,7 +54,8 @@ def test_checkpoint_uses_z_labs_names(dflash_dir):
     with safe_open(str(dflash_dir / "model.safetensors"), "numpy") as f:
         names = set(f.keys())
     for name in ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_proj.weight",
-                 "layers.0.self_attn.k_norm.weight", "layers.0.mlp.down_proj.weight", "layers.1.input_layernorm.weight"):
+                 "layers.0.self_attn.k_norm.weight", "layers.0.mlp.down_proj.weight",
+                 "layers.1.input_layernorm.weight"):
         assert name in names
     cfg = json.loads((dflash_dir / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [1, 4, 6]
@@ -70,7 +71,8 @@ def test_context_cache_holds_the_committed_prefix(tiny_llm, dflash_dir):
     """After several steps, the drafter's context K/V equals what a fresh pass over the whole
     committed sequence gives (rejected positions were overwritten or are past the length)."""
     llm = tiny_llm.with_speculation(spec(dflash_dir))
-    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)  # the state read below: one row
+    # the state read below: one row
+    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)
     state = llm.engine.decode(state, 4, do_sample)
     n = int(state.lengths[0]) - 1  # committed positions
     model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
@@ -93,7 +95,8 @@ def test_drafters_that_do_not_fit_are_refused(tiny_llm, tmp_path, change, messag
 
 
 def test_k_must_match_the_block(tiny_llm, dflash_dir):
-    with pytest.raises(ValueError, match="num_speculative_tokens=5 but the DFlash drafter .* drafts block_size - 1 = 3"):
+    with pytest.raises(ValueError,
+                       match="num_speculative_tokens=5 but the DFlash drafter .* drafts block_size - 1 = 3"):
         tiny_llm.with_speculation(spec(dflash_dir, 5))
 
 

@@ -43,7 +43,8 @@ def test_both_layouts_load_the_same_drafter(tmp_path):
     target = Qwen3_5Config(vocab_size=512, hidden_size=64, num_hidden_layers=8)
     native = load_dflash(write_dflash_checkpoint(tmp_path / "n", DSPARK, seed=5, layout="dspark"), target)
     spec_layout = load_dflash(write_dflash_checkpoint(tmp_path / "s", DSPARK, seed=5, layout="speculators"), target)
-    same = lambda c: dataclasses.replace(c, draft_vocab_size=None)  # Speculators spell the vocabulary out
+    def same(c):
+        return dataclasses.replace(c, draft_vocab_size=None)  # Speculators spell the vocabulary out
     assert same(native[1]) == same(spec_layout[1])  # and count aux ids as the layer ids + 1
     for a, b in zip(jax_leaves(native[0]), jax_leaves(spec_layout[0])):
         np.testing.assert_array_equal(a, b)
@@ -61,7 +62,8 @@ def test_the_markov_chain_matches_a_step_by_step_reference(tiny_llm, dspark_dir)
     state, _, _ = llm.engine.start(prompts()[1:2], [GREEDY], rows=1)  # the state read below: one row
     model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     proposer = llm.engine.plan.proposer
-    choose = lambda logits, pos: (jnp.argmax(logits, -1).astype(jnp.int32), None)
+    def choose(logits, pos):
+        return (jnp.argmax(logits, -1).astype(jnp.int32), None)
     drafts, n, _, _ = proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)
     L = int(state.lengths[0])
     block = jnp.asarray([[int(state.tokens[0, L - 1])] + [DSPARK.mask_token_id] * 3])

@@ -101,7 +101,8 @@ def test_greedy_drafts_are_draft_vocabulary_ids_chained_through_target_ids(tiny_
     """Drafts equal d + d2t[d] for d = argmax over the draft vocabulary of base_j + W2 W1[previous
     target id], one position at a time."""
     llm = tiny_llm.with_speculation(spec(reduced_dir))
-    greedy = lambda state, do_sample: lambda logits, pos: (jnp.argmax(logits, -1).astype(jnp.int32), None)
+    def greedy(state, do_sample):
+        return lambda logits, pos: (jnp.argmax(logits, -1).astype(jnp.int32), None)
     drafts, _, (state, model, draft) = propose(llm, GREEDY, greedy)
     allowed = draft_vocab_target_ids(reduced_dir)
     assert set(drafts.tolist()) <= set(allowed.tolist())
@@ -119,7 +120,8 @@ def test_sampled_drafts_carry_their_exact_distribution_over_the_draft_vocabulary
     """A sampled draft's q is softmax(warped scattered logits) given the previous sampled draft:
     zero off the draft vocabulary, positive at the draft, the distribution rejection sampling needs."""
     llm = tiny_llm.with_speculation(spec(reduced_dir, draft_sample_method="probabilistic"))
-    sampled = lambda state, do_sample: drafting_policy(state.sampling, probabilistic=True, do_sample=do_sample)
+    def sampled(state, do_sample):
+        return drafting_policy(state.sampling, probabilistic=True, do_sample=do_sample)
     drafts, q, (state, model, draft) = propose(llm, SAMPLED, sampled)
     allowed = draft_vocab_target_ids(reduced_dir)
     assert set(drafts.tolist()) <= set(allowed.tolist())

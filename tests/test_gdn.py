@@ -10,7 +10,8 @@ from pallas_kernels.gdn_recurrent import gdn_recurrent
 
 def random_inputs(T, *, B=2, nk=2, nv=6, dk=16, dv=24, seed=0, gate_scale=2.0):
     r = np.random.default_rng(seed)
-    f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
+    def f(*s):
+        return jnp.asarray(r.normal(size=s), jnp.float32)
     g = -jnp.asarray(r.uniform(0, gate_scale, size=(B, T, nv)), jnp.float32)
     beta = jnp.asarray(r.uniform(size=(B, T, nv)), jnp.float32)
     return f(B, T, nk, dk), f(B, T, nk, dk), f(B, T, nv, dv), g, beta, f(B, nv, dk, dv)
@@ -60,8 +61,10 @@ def test_value_heads_read_their_own_key_head():
     """Value head j reads key head j // (nv/nk): permuting key heads must permute outputs by group."""
     q, k, v, g, beta, s0 = random_inputs(8, nk=2, nv=4, seed=4)
     o, _ = gdn_recurrent(q, k, v, g, beta, s0)
-    swap_k = lambda x: x[:, :, ::-1]
-    swap_v = lambda x: jnp.concatenate([x[:, :, 2:], x[:, :, :2]], axis=2)
+    def swap_k(x):
+        return x[:, :, ::-1]
+    def swap_v(x):
+        return jnp.concatenate([x[:, :, 2:], x[:, :, :2]], axis=2)
     o_sw, _ = gdn_recurrent(swap_k(q), swap_k(k), swap_v(v), swap_v(g), swap_v(beta),
                             jnp.concatenate([s0[:, 2:], s0[:, :2]], axis=1))
     np.testing.assert_allclose(swap_v(o), o_sw, rtol=1e-6, atol=1e-6)

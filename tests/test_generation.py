@@ -35,8 +35,10 @@ def test_prefill_then_decode_equals_full_forward(model, n, m):
     L = 128
     ids = np.random.default_rng(n).integers(0, 500, size=n + m).astype(np.int32)
     run = extend_fn(model, L)
-    padded = lambda x: jnp.pad(jnp.asarray(x)[None], ((0, 0), (0, L - len(x))))
-    empty = lambda: init_cache(model.cfg, 1, L, jnp.float32)
+    def padded(x):
+        return jnp.pad(jnp.asarray(x)[None], ((0, 0), (0, L - len(x))))
+    def empty():
+        return init_cache(model.cfg, 1, L, jnp.float32)
     full, _ = run(padded(ids), jnp.zeros(1, jnp.int32), jnp.asarray([n + m]), empty())
     logits, cache = run(padded(ids[:n]), jnp.zeros(1, jnp.int32), jnp.asarray([n]), empty())
     got = [logits[0, n - 1]]

@@ -156,7 +156,8 @@ def test_mtp_on_a_gguf_without_nextn_is_refused(tiny_dir, tmp_path):
     path = write_gguf(tiny_dir, tmp_path / "no-mtp.gguf", mtp=False)
     model, cfg = load_model(path, "float32")
     assert model.mtp is None and cfg.mtp_num_hidden_layers == 0
-    with pytest.raises(ValueError, match=r"needs the target's MTP head.*a GGUF/safetensors export without the MTP head"):
+    with pytest.raises(ValueError,
+                       match=r"needs the target's MTP head.*a GGUF/safetensors export without the MTP head"):
         LLM(model=str(path), dtype="float32", max_model_len=256,
             speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
@@ -239,7 +240,8 @@ def rename(reader, old: str, new: str):
 
 def test_unknown_architecture(broken):
     edit_in_place(broken, lambda reader: rename(reader, "qwen35", "llama3"))
-    with pytest.raises(CheckpointError, match="general.architecture 'llama3'; spec_jax loads qwen35, qwen35moe, qwen3next"):
+    with pytest.raises(CheckpointError,
+                       match="general.architecture 'llama3'; spec_jax loads qwen35, qwen35moe, qwen3next"):
         load_model(broken)
 
 

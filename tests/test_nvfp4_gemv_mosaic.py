@@ -22,10 +22,10 @@ def _cuda_module(N: int, K: int, tiling: MosaicTiling, rows: int = 1) -> str:
     return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("N, K, tiling, rows", [(64, 1024, MosaicTiling(32, 1, 3), 1), (32, 2048, MosaicTiling(16, 2, 4), 1),
-                                                (16, 1536, MosaicTiling(8, 1, 4), 1), (64, 1024, MosaicTiling(32, 1, 3), 2),
-                                                (32, 2048, MosaicTiling(16, 2, 4), 8), (16, 1536, MosaicTiling(8, 1, 4), 3),
-                                                (40, 1024, MosaicTiling(16, 1, 2, 3), 1), (44, 2048, MosaicTiling(8, 2, 4, 6), 5)])
+@pytest.mark.parametrize("N, K, tiling, rows", [
+    (64, 1024, MosaicTiling(32, 1, 3), 1), (32, 2048, MosaicTiling(16, 2, 4), 1), (16, 1536, MosaicTiling(8, 1, 4), 1),
+    (64, 1024, MosaicTiling(32, 1, 3), 2), (32, 2048, MosaicTiling(16, 2, 4), 8), (16, 1536, MosaicTiling(8, 1, 4), 3),
+    (40, 1024, MosaicTiling(16, 1, 2, 3), 1), (44, 2048, MosaicTiling(8, 2, 4, 6), 5)])
 def test_lowers_to_one_mosaic_gpu_kernel(N, K, tiling, rows):
     module = _cuda_module(N, K, tiling, rows)
     assert module.count("stablehlo.custom_call @mosaic_gpu") == 1  # one kernel: no XLA op around it but reshapes

@@ -40,7 +40,8 @@ def test_extreme_gates(gate_scale):
 
 def test_three_value_heads_per_key_head_and_bf16_inputs():
     q, k, v, g, beta, s0 = inputs(4, nk=2, nv=6, seed=3)
-    bf = lambda x: x.astype(jnp.bfloat16)
+    def bf(x):
+        return x.astype(jnp.bfloat16)
     o, s = gdn_recurrent_pallas(bf(q), bf(k), bf(v), g, beta, s0, interpret=True)
     o_ref, s_ref = gdn_recurrent_reference(bf(q), bf(k), bf(v), g, beta, s0)
     assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
@@ -91,7 +92,8 @@ def test_chunked_kernel_ragged_rows_leave_padding_out_of_the_state():
 def test_chunked_kernel_shapes_the_dispatcher_sends_it():
     from pallas_kernels.gdn_chunked import kernel_fits
 
-    fits = lambda dk, dv: kernel_fits(jnp.zeros((1, 64, 2, dk)), jnp.zeros((1, 64, 4, dv)))
+    def fits(dk, dv):
+        return kernel_fits(jnp.zeros((1, 64, 2, dk)), jnp.zeros((1, 64, 4, dv)))
     assert fits(128, 128) and fits(16, 32)
     assert not fits(16, 24) and not fits(8, 32) and not fits(96, 128)
 
@@ -118,7 +120,8 @@ def test_triangular_inverse_by_products_equals_substitution(C, corr):
     from pallas_kernels.gdn_chunked import _invert_unit_lower
 
     A = jnp.asarray(strictly_lower_system(np.random.default_rng(C), C, corr), jnp.float32)
-    dot = lambda a, b: jnp.dot(a, b, precision="highest")
+    def dot(a, b):
+        return jnp.dot(a, b, precision="highest")
     got = _invert_unit_lower(A, dot)
     want = jax.scipy.linalg.solve_triangular(jnp.eye(C) + A, jnp.eye(C), lower=True, unit_diagonal=True)
     assert rel(got, want) < 1e-5
@@ -128,7 +131,8 @@ def test_chunked_kernel_writes_outputs_in_the_asked_dtype_and_the_dispatcher_in_
     from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chunked_reference
 
     q, k, v, g, beta, s0 = inputs(64, B=1, nk=1, nv=2, dk=16, dv=32, seed=4)
-    bf = lambda x: x.astype(jnp.bfloat16)
+    def bf(x):
+        return x.astype(jnp.bfloat16)
     o, _ = gdn_chunked_pallas(bf(q), bf(k), bf(v), g, beta, s0, operands=jnp.bfloat16, out_dtype=jnp.bfloat16,
                               interpret=True)
     o_ref, _ = gdn_chunked_reference(bf(q), bf(k), bf(v), g, beta, s0)
@@ -147,7 +151,8 @@ def test_triangular_inverse_keeps_tf32_rounding_under_bf16s():
         bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
         return jax.lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), jnp.float32)
 
-    dot = lambda a, b: jnp.dot(tf32(a), tf32(b), precision="highest")
+    def dot(a, b):
+        return jnp.dot(tf32(a), tf32(b), precision="highest")
     r = np.random.default_rng(1)
     for corr in (0.0, 0.5, 0.9, 0.99):
         A = strictly_lower_system(r, 64, corr)

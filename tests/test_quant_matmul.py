@@ -61,8 +61,10 @@ def test_nvfp4_even_column_reads_as_e5m2_and_the_odd_one_mirrored():
 
     codes = np.arange(16, dtype=np.uint8)
     want = np.asarray(decode_e2m1(jnp.asarray(codes)))
-    as_e5m2 = lambda b: np.asarray(b, np.uint8).view(ml_dtypes.float8_e5m2).astype(np.float32) * E2M1_SHRINK
-    mirrored = lambda b: np.array([int(f"{v:08b}"[::-1], 2) for v in b], np.uint8)
+    def as_e5m2(b):
+        return np.asarray(b, np.uint8).view(ml_dtypes.float8_e5m2).astype(np.float32) * E2M1_SHRINK
+    def mirrored(b):
+        return np.array([int(f"{v:08b}"[::-1], 2) for v in b], np.uint8)
     np.testing.assert_array_equal(as_e5m2(np.asarray(pack_e2m1(codes, 15 - codes)) & E5M2_E2M1_MASK), want)
     np.testing.assert_array_equal(as_e5m2(mirrored(np.asarray(pack_e2m1(15 - codes, codes))) & E5M2_E2M1_MASK), want)
 
@@ -166,7 +168,8 @@ def test_dispatch_gives_few_packed_half_programs_more_warps_and_a_big_weight_dee
         assert one_row(5120, 17408, fmt) == dataclasses.replace(TUNED_H200.one_row[fmt], block_n=rows, block_k=1024,
                                                                 num_warps=16)
     int8 = dataclasses.replace(TUNED_H200.one_row["int8"], num_warps=8)
-    assert one_row(5120, 17408 + 512, "int8") == dataclasses.replace(int8, split_k=2)  # 1024 and 2 x 512 do not divide K, 2 x 256 does
+    # 1024 and 2 x 512 do not divide K, 2 x 256 does
+    assert one_row(5120, 17408 + 512, "int8") == dataclasses.replace(int8, split_k=2)
     assert one_row(5120, 17408 + 256, "int8") == int8  # neither does: unsplit
     assert one_row(1024, 3584).split_k == 1  # 0.8B: 1.8 MB, the partial sums' addition would cost more
 
@@ -252,7 +255,8 @@ def test_packed_half_row_lands_inside_f16_range_by_range_and_is_paired_as_the_pt
     from pallas_kernels.quant_matmul import half_row
 
     range_max, size, per_word = np.array([7e4, 3e-5, 1.0, 0.0]), 256, VALUES_PER_WORD[fmt]
-    x = np.concatenate([np.linspace(-m, m / 3, size) * np.random.default_rng(0).permutation(size) / size for m in range_max])
+    x = np.concatenate([np.linspace(-m, m / 3, size) * np.random.default_rng(0).permutation(size) / size
+                        for m in range_max])
     x = jnp.asarray(x[None], jnp.bfloat16)
     pairs, post = half_row(x, fmt, len(range_max), interpret=True)
     assert post.shape == (len(range_max),)
@@ -286,7 +290,8 @@ def test_kernel_refuses_a_tiling_that_does_not_divide_the_weight():
     nvfp4 = quantize(np.ones((N, K), np.float32), "nvfp4")  # 16 rows of 8 words: under a word pair for 128 threads
     assert not Tiling(16, 64, gemv=True, packed_halves=True).fits(nvfp4)
     with pytest.raises(ValueError, match="a weight-word pair for each of its threads"):
-        quant_matmul_pallas(jnp.zeros((1, K), jnp.bfloat16), nvfp4, tiling=Tiling(16, 64, gemv=True, packed_halves=True),
+        quant_matmul_pallas(jnp.zeros((1, K), jnp.bfloat16), nvfp4,
+                            tiling=Tiling(16, 64, gemv=True, packed_halves=True),
                             interpret=True)
     assert Tiling(16, 128, gemv=True, packed_halves=True).fits(nvfp4)
     assert not Tiling(16, 128, num_warps=8, gemv=True, packed_halves=True).fits(nvfp4)
@@ -313,12 +318,18 @@ def run_ptx(asm: str, inputs: dict[int, int]) -> dict[str, int]:
     and, or, shl, shr, brev, prmt), mov (also packing and unpacking {lo, hi} halves), float32 sub / add /
     fma, f16x2 sub / add / mul / fma (each lane rounded once), f16 add, and the cvts to f16x2 and f32."""
     regs = {f"${n}": v for n, v in inputs.items()}
-    value = lambda t: regs[t] if t in regs else int(t[2:], 16) if t.startswith("0f") else int(t, 0)
-    f32 = lambda u: np.array([u], np.uint32).view(np.float32)[0].astype(np.float64)
-    u32 = lambda f: int(np.array([f], np.float32).view(np.uint32)[0])
-    lanes = lambda u: np.array([u], np.uint32).view(np.float16).astype(np.float64)
-    packed = lambda v: int(np.asarray(v, np.float16).view(np.uint32)[0])  # one rounding from float64
-    half = lambda u: np.array([u], np.uint16).view(np.float16)[0].astype(np.float64)
+    def value(t):
+        return regs[t] if t in regs else int(t[2:], 16) if t.startswith("0f") else int(t, 0)
+    def f32(u):
+        return np.array([u], np.uint32).view(np.float32)[0].astype(np.float64)
+    def u32(f):
+        return int(np.array([f], np.float32).view(np.uint32)[0])
+    def lanes(u):
+        return np.array([u], np.uint32).view(np.float16).astype(np.float64)
+    def packed(v):
+        return int(np.asarray(v, np.float16).view(np.uint32)[0])  # one rounding from float64
+    def half(u):
+        return np.array([u], np.uint16).view(np.float16)[0].astype(np.float64)
 
     def prmt(a, b, sel):
         pool = (b << 32 | a).to_bytes(8, "little")

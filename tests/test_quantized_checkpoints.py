@@ -206,12 +206,14 @@ def test_greedy_generation_runs(quantized_llm):
 def test_convert_with_quantization_restores_the_quantized_model(source, tmp_path):
     src, cfg = source
     out = tmp_path / "int8"
-    assert main(["convert", "--model", str(src), "--output", str(out), "--dtype", "float32", "--quantization", "int8"]) == 0
+    assert main(["convert", "--model", str(src), "--output", str(out), "--dtype", "float32", "--quantization",
+                 "int8"]) == 0
     restored = LLM(model=str(out), dtype="float32", max_model_len=64)
     assert restored.model.layers[0].mlp.shared_expert.up_proj.weight[...].dtype == np.int8
     direct = quantize_projections(load_model(src, "float32")[0], "int8")
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 20)
-    np.testing.assert_array_equal(restored.logits(ids), Runner(direct, None, EngineConfig(max_model_len=64)).logits(ids))
+    np.testing.assert_array_equal(restored.logits(ids),
+                                  Runner(direct, None, EngineConfig(max_model_len=64)).logits(ids))
 
 
 def test_converting_a_quantized_checkpoint_keeps_it_quantized(quantized, quantized_llm, tmp_path):
@@ -219,7 +221,10 @@ def test_converting_a_quantized_checkpoint_keeps_it_quantized(quantized, quantiz
     out = tmp_path / "c"
     assert main(["convert", "--model", str(qdir), "--output", str(out), "--dtype", "float32"]) == 0
     restored = LLM(model=str(out), dtype="float32", max_model_len=64)
-    assert restored.model.layers[0].linear_attn.in_proj_z.format == quantized_llm.model.layers[0].linear_attn.in_proj_z.format
+    def z_format(llm):
+        return llm.model.layers[0].linear_attn.in_proj_z.format
+
+    assert z_format(restored) == z_format(quantized_llm)
     ids = [5, 7, 11, 2]
     np.testing.assert_array_equal(restored.logits(ids), quantized_llm.logits(ids))
 

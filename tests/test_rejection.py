@@ -177,7 +177,8 @@ def test_end_to_end_first_speculative_token_matches_plain(echo_dir, plain_two_to
             "draft_vocab_size": draft_vocab_size}
     plain = plain_two_tokens
     spec_on = second_tokens(echo_dir, spec, range(N_REQUESTS, 2 * N_REQUESTS))
-    joint = lambda t: t[:, 0] * 64 + t[:, 1]
+    def joint(t):
+        return t[:, 0] * 64 + t[:, 1]
     keys = np.union1d(joint(plain), joint(spec_on))
     table = np.stack([[np.sum(joint(t) == key) for key in keys] for t in (plain, spec_on)])
     table = table[:, table.sum(0) >= 10]  # chi-square needs populated cells

@@ -34,7 +34,8 @@ def setup(tiny_dir):
 
     rng = np.random.default_rng(0)
     prompt = jnp.pad(jnp.asarray(rng.integers(0, 500, (2, N_PROMPT)), jnp.int32), ((0, 0), (0, 64 - N_PROMPT)))
-    cache = extend(params, prompt, jnp.zeros(2, jnp.int32), jnp.full(2, N_PROMPT), init_cache(model.cfg, 2, L, jnp.float32))
+    cache = extend(params, prompt, jnp.zeros(2, jnp.int32), jnp.full(2, N_PROMPT),
+                   init_cache(model.cfg, 2, L, jnp.float32))
     verify = jnp.asarray(rng.integers(0, 500, (2, K + 1)), jnp.int32)
     return params, extend, verify_commit, cache, verify
 
@@ -48,7 +49,8 @@ def assert_caches_equal(got, want, length, tol):
     errors = []
     for g, w in zip(got, want):
         if isinstance(g, KVCache):
-            errors += [relative(g.k[:, :, :length], w.k[:, :, :length]), relative(g.v[:, :, :length], w.v[:, :, :length])]
+            errors += [relative(g.k[:, :, :length], w.k[:, :, :length]),
+                       relative(g.v[:, :, :length], w.v[:, :, :length])]
         else:
             assert isinstance(g, GDNCache)
             errors += [relative(g.conv, w.conv), relative(g.state, w.state)]

@@ -86,7 +86,8 @@ def test_completions_and_chat_equal_generate(served):
     chats = [ChatTemplate(CHATML).render(m) for m in messages]
     texts = ["def fibonacci(n):", "import os\nfor"]
     ref = [o.outputs[0] for o in reference(llm, texts + chats, [SamplingParams(max_tokens=12, temperature=0.0)] * 4)]
-    ids = lambda c: c.model_extra["token_ids"]
+    def ids(c):
+        return c.model_extra["token_ids"]
 
     r = client.completions.create(model="tiny", prompt=texts[0], max_tokens=12, temperature=0,
                                   extra_body={"return_token_ids": True})
@@ -178,7 +179,8 @@ def test_sixteen_concurrent_streaming_clients(served):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size, rng.integers(2, 50)).tolist() for _ in range(16)]
     settings = [dict(max_tokens=int(rng.integers(4, 40)), temperature=float(rng.choice([0.0, 0.8])),
-                     top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.choice([0, 20])), seed=int(rng.integers(1 << 20)))
+                     top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.choice([0, 20])),
+                     seed=int(rng.integers(1 << 20)))
                 for _ in prompts]
     ref = reference(llm, prompts, [SamplingParams(**s) for s in settings])
     before = metrics(url)

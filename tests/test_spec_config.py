@@ -74,7 +74,8 @@ def test_bracket_ngram_folds():
 def test_oracle():
     cfg = parse({"method": "oracle", "num_speculative_tokens": 4, "oracle_corruption_rate": 0.25})
     assert (cfg.method, cfg.oracle_corruption_rate) == ("oracle", 0.25)
-    assert parse({"method": "oracle", "num_speculative_tokens": 4, "oracle_corruption_rate": 1}).oracle_corruption_rate == 1.0
+    assert parse({"method": "oracle", "num_speculative_tokens": 4,
+                  "oracle_corruption_rate": 1}).oracle_corruption_rate == 1.0
 
 
 def test_all_thirteen_vllm_methods_are_known():
@@ -245,7 +246,8 @@ def test_oracle_corruption_rate_range(rate):
 def test_oracle_corruption_rate_defaults():
     assert parse({"method": "oracle", "num_speculative_tokens": 2}).oracle_corruption_rate == 0.0
     assert parse({"method": "ngram", "num_speculative_tokens": 2}).oracle_corruption_rate is None
-    assert parse({"method": "ngram", "num_speculative_tokens": 2, "oracle_corruption_rate": 0.5}).oracle_corruption_rate == 0.5
+    assert parse({"method": "ngram", "num_speculative_tokens": 2,
+                  "oracle_corruption_rate": 0.5}).oracle_corruption_rate == 0.5
 
 
 def test_mtp_needs_mtp_tensors():
@@ -280,7 +282,8 @@ def test_ignored_vllm_field_with_non_default_value_warns():
 
 
 def test_ignored_vllm_fields_at_default_do_not_warn():
-    cfg = parse({"method": "mtp", "enforce_eager": None, "parallel_drafting": False, "suffix_decoding_max_tree_depth": 24,
+    cfg = parse({"method": "mtp", "enforce_eager": None, "parallel_drafting": False,
+                 "suffix_decoding_max_tree_depth": 24,
                  "suffix_decoding_min_token_prob": 0.1, "tensor_parallel_size": None})
     assert cfg.method == "mtp"
 

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode steps per device call between streams, 1 to --max-model-len (default 4)")
     bench = sub.add_parser("bench", help="batch eval: a JSONL of prompts through the jitted engine, with metrics")
     add_model_args(bench)
-    bench.add_argument("--input", required=True, help='JSONL, one {"prompt": ...} or {"prompt_token_ids": [...]} a line')
+    bench.add_argument("--input", required=True,
+                       help='JSONL, one {"prompt": ...} or {"prompt_token_ids": [...]} a line')
     bench.add_argument("--output", default=None, help="per-request outputs (JSONL); default: INPUT.outputs.jsonl")
     bench.add_argument("--metrics", default=None, help="aggregate metrics (JSON); default: INPUT.metrics.json")
     bench.add_argument("--max-tokens", type=int, default=64, help="for lines that do not set max_tokens")

@@ -185,8 +185,9 @@ class LLM:
             quantize_projections(self.model, quantize_to)
         if self.mesh is not None and (loaded is not None or quantize_to is not None):
             shard_model(self.model, self.mesh)  # load_model placed what it loaded; these arrays are new
-        self.engine = start_engine(self.model, config, draft=self._draft(spec),
-                                   tokenizer=self._tokenizer(tokenizer, gguf_file), name=self.model_path, mesh=self.mesh)
+        tokenizer = self._tokenizer(tokenizer, gguf_file)
+        self.engine = start_engine(self.model, config, draft=self._draft(spec), tokenizer=tokenizer,
+                                   name=self.model_path, mesh=self.mesh)
         self.metrics: dict = {}
         self.lifetime = LifetimeCounters()
         self.generation_defaults = generation_defaults(self.model_path)

@@ -3,8 +3,8 @@
 The live `DecodeState` has `max_num_seqs` rows, the slots. A request waits in a queue until a
 slot is free; then it is prefilled alone (a batch-1 prefill, one executable per prompt bucket)
 and written into its slot by `EngineCore.insert`. The device loop runs the same `decode_loop`
-executable as `LLM.generate` (both drive one `EngineCore`), `steps_per_chunk` steps per call, and hands each request its new
-tokens after every call. A finished or cancelled request frees its slot for the next waiting
+executable as `LLM.generate` (both drive one `EngineCore`), `steps_per_chunk` steps per call, and
+hands each request its new tokens after every call. A finished or cancelled request frees its slot for the next waiting
 one. Speculation works per slot as in `LLM.generate`: its counters restart with each insert.
 
 The live batch has two layouts: plain, and full (every logit processor and MAX_LOGPROBS logprobs
@@ -163,7 +163,8 @@ class Scheduler:
             self.queued += len(requests)
         self.inbox.put(("add", list(requests)))
 
-    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams, sink: Callable[[Update], None]) -> Request:
+    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+               sink: Callable[[Update], None]) -> Request:
         """Queue a prompt; `sink` gets its updates. Bad prompts, stop lists or token ids raise
         ValueError here."""
         req = self.request(prompt_token_ids, params, sink)

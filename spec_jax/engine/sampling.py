@@ -286,7 +286,8 @@ def accept_drafts(logits: jax.Array, drafts: jax.Array, n_draft: jax.Array, draf
     # At a rejection, draw from the residual; after the last draft, from p itself (q = 0 there),
     # through the same warped logits spec-off sampling uses.
     q_full = jnp.concatenate([q, jnp.zeros((B, 1, V), q.dtype)], axis=1)
-    at = lambda x: jnp.take_along_axis(x, n_sampled[:, None, None], axis=1)[:, 0]
+    def at(x):
+        return jnp.take_along_axis(x, n_sampled[:, None, None], axis=1)[:, 0]
     residual = jnp.maximum(at(p) - at(q_full), 0.0)
     rejected = n_sampled < n_draft
     use_residual = rejected & (jnp.sum(residual, axis=-1) > 0)

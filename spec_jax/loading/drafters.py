@@ -122,8 +122,9 @@ def load_eagle3(model_dir: str | os.PathLike, target: Qwen3_5Config, dtype="floa
     if len(cfg.target_layer_ids) != 3 or bad:
         raise ValueError(f"EAGLE-3 head {where} taps target layers {list(cfg.target_layer_ids)}; it needs three of "
                          f"0..{target.num_hidden_layers - 1}")
-    read = lambda name: src.get(name if name in src or not name.startswith("layers.0.")
-                                else "midlayer." + name[len("layers.0."):])
+    def read(name):
+        return src.get(name if name in src or not name.startswith("layers.0.")
+                       else "midlayer." + name[len("layers.0."):])
     model = fill_params(lambda: Eagle3Draft(cfg, dtype=resolve_dtype(dtype)), src, drafter_sources, read)
     return model, cfg
 

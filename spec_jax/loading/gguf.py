@@ -43,7 +43,8 @@ NEXTN = {"mtp.fc.weight": gguf.MODEL_TENSOR.NEXTN_EH_PROJ,
 # Pre-tokenizer split patterns of the `tokenizer.ggml.pre` names this loader can rebuild (the
 # patterns of the models' own tokenizer.json files; llama.cpp keys its copies by these names).
 PRE_TOKENIZER_PATTERNS = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
@@ -90,7 +91,8 @@ def gguf_names(name: str, arch: str, n_layers: int, tensor_map: gguf.TensorNameM
         _, _, index, rest = name.split(".", 3)
         name = f"model.layers.{n_layers + int(index)}.{rest}"
     if name.endswith("experts.gate_up_proj") and not fused_experts:
-        parts = [gguf_names(name.replace("gate_up_proj", proj), arch, n_layers, tensor_map) for proj in ("gate_proj", "up_proj")]
+        parts = [gguf_names(name.replace("gate_up_proj", proj), arch, n_layers, tensor_map)
+                 for proj in ("gate_proj", "up_proj")]
         return None if None in parts else parts[0] + parts[1]
     if name.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj", "experts.gate_up_proj")):
         name += ".weight"  # llama.cpp names the stacked experts blk.N.ffn_*_exps.weight

@@ -250,7 +250,8 @@ def read_tensor(src: TensorSource, name: str, cfg: Qwen3_5Config) -> np.ndarray:
     """One HF tensor by text-only name, rebuilt from the alternative layouts when needed."""
     if name in src:
         return src.get(name)
-    if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and f"{name.rsplit('.', 1)[0]}.0.down_proj.weight" in src:
+    per_expert = f"{name.rsplit('.', 1)[0]}.0.down_proj.weight"
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and per_expert in src:
         return experts_from_per_expert(src, name, cfg.num_experts)
     proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
     if proj in ("in_proj_qkv", "in_proj_z") and name.replace(proj, "in_proj_qkvz") in src:

@@ -173,7 +173,8 @@ def package_sources(root: Path) -> list[SourceFile]:
             if size > PACKAGE_CAP_CHARS:
                 break
             code.append(p)
-    name = lambda p: f"site-packages/{p.relative_to(root).as_posix()}"
+    def name(p):
+        return f"site-packages/{p.relative_to(root).as_posix()}"
     files = [SourceFile(name(p), p, "text") for p in texts] + [SourceFile(name(p), p, "metadata") for p in metadata]
     return sorted(files + [SourceFile(name(p), p, "code") for p in code], key=lambda f: f.source)
 
@@ -206,7 +207,8 @@ def split_documents(limit_chars: int | None = None) -> dict[tuple[str, str], lis
     part stops at that size and each held-out part at a tenth of it."""
     parts = {(kind, split): [] for kind in KINDS for split in SPLITS}
     sizes = dict.fromkeys(parts, 0)
-    cap = lambda split: None if limit_chars is None else (limit_chars // 10 if split == "heldout" else limit_chars)
+    def cap(split):
+        return None if limit_chars is None else (limit_chars // 10 if split == "heldout" else limit_chars)
     for doc in documents():
         key = (doc.kind, "heldout" if is_heldout(doc.source) else "train")
         if cap(key[1]) is not None and sizes[key] >= cap(key[1]):

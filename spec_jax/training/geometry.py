@@ -76,7 +76,8 @@ def init_weights(model: nnx.Module, seed: int, num_layers: int) -> nnx.Module:
     zero-centred norms 0, plain norms 1; GDN's A = exp(A_log) ~ U(1, 16), dt = softplus(a + dt_bias)
     log-uniform in [1e-3, 0.1], conv taps ~ U(+-1/sqrt(K)) (the inits of the published models)."""
     rng = np.random.default_rng(seed)
-    normal = lambda v, std: rng.normal(0.0, std, v.shape).astype(np.float32)
+    def normal(v, std):
+        return rng.normal(0.0, std, v.shape).astype(np.float32)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Linear):
             std = INIT_STD / np.sqrt(2 * num_layers) if path[-1] in OUTPUT_PROJECTIONS else INIT_STD

@@ -174,7 +174,8 @@ def fit(name: str, params, loss_fn, eval_fn, data, sched: Schedule, key, score_k
     if not history or history[-1]["step"] != i:
         run_eval(i, elapsed)
     best_entry = min(history, key=lambda h: sign * h[score_key])
-    log(f"[{name}] {i} steps in {elapsed:.0f}s; keeping step {best_entry['step']} ({score_key} {best_entry[score_key]:.4f})")
+    log(f"[{name}] {i} steps in {elapsed:.0f}s; keeping step {best_entry['step']} "
+        f"({score_key} {best_entry[score_key]:.4f})")
     return best, {"steps": i, "train_s": round(elapsed, 1), "best": best_entry, "evals": history}
 
 

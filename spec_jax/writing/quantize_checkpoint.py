@@ -75,7 +75,8 @@ def quantized_tensors(module: str, w: np.ndarray, fmt: str, scale_dtype) -> dict
     """The tensors that replace `module.weight` [N, K] in the `fmt` layout."""
     if fmt == "fp8":
         q = quantize_jit(w, fmt="fp8_block")
-        return {f"{module}.weight": np.asarray(q.data), f"{module}.weight_scale_inv": np.asarray(q.scale).astype(scale_dtype)}
+        return {f"{module}.weight": np.asarray(q.data),
+                f"{module}.weight_scale_inv": np.asarray(q.scale).astype(scale_dtype)}
     q = quantize_jit(w, fmt="nvfp4")
     return {f"{module}.weight": nvfp4_to_modelopt(q.data), f"{module}.weight_scale": np.asarray(q.scale),
             f"{module}.weight_scale_2": np.asarray(q.global_scale, np.float32),
@@ -131,7 +132,8 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, fmt: str, *, s
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m spec_jax.writing.quantize_checkpoint",
-                                 description="Quantize a small HF checkpoint into Qwen's FP8 or ModelOpt's NVFP4 layout.")
+                                 description="Quantize a small HF checkpoint into Qwen's FP8 or ModelOpt's NVFP4 "
+                                             "layout.")
     ap.add_argument("src", help="an HF safetensors checkpoint directory (bf16 or f32)")
     ap.add_argument("out", help="the directory to write")
     ap.add_argument("--format", required=True, choices=FORMATS)

@@ -194,7 +194,8 @@ def write_dflash_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, layout: 
         value = random_value(name, shape, rng)
         tensors[name] = (value + 1.0 if "norm" in name else value).astype(np.float32)  # plain RMSNorm: ~1
     if cfg.markov_rank:
-        tensors["confidence_head.proj.weight"] = rng.normal(size=(1, cfg.hidden_size + cfg.markov_rank)).astype(np.float32)
+        width = cfg.hidden_size + cfg.markov_rank
+        tensors["confidence_head.proj.weight"] = rng.normal(size=(1, width)).astype(np.float32)
         tensors["confidence_head.proj.bias"] = np.zeros((1,), np.float32)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(drafter_config_json(cfg, layout), indent=2))
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
 
-    ap = argparse.ArgumentParser(prog="python -m spec_jax.writing.random_checkpoint", description=main.__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m spec_jax.writing.random_checkpoint",
+                                 description=main.__doc__.split("\n")[0])
     ap.add_argument("kind", choices=["target", "dflash", "dspark", "eagle3", "draft_model"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if not args.target:
             ap.error(f"{args.kind} needs --target TARGET_DIR (the drafter's geometry follows the target's)")
-        write_random_drafter(args.kind, load_config(args.target), args.out, layers=args.layers, block_size=args.block_size, layout=args.layout,
+        write_random_drafter(args.kind, load_config(args.target), args.out, layers=args.layers,
+                             block_size=args.block_size, layout=args.layout,
                              seed=args.seed, dtype="float32", draft_vocab_size=args.draft_vocab_size)
     print(f"wrote a random {args.kind} checkpoint to {args.out}")
 
