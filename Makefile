@@ -1,6 +1,6 @@
 # Two entry points, each bootstrapping its own virtualenv (.venv) on a fresh machine:
 #   make demo   run the main job (generation) on the embedded default model
-#   make test   run the test suite
+#   make test   check the code with ruff, then run the test suite (a wheel built and installed included)
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
@@ -20,6 +20,7 @@ demo: $(STAMP)
 		--speculative-config '{"method":"eagle3","model":"spec_jax/assets/default/eagle3","num_speculative_tokens":3}'
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
 clean:
