@@ -113,9 +113,8 @@ def equality(args, model_or_path, cfg, prompts, record) -> None:
             if batch > 1:
                 compare("off", plain, run)
             for name, config, draft in methods if batch in args.batch else ():  # batch 1 only as the reference
-                spec = llm.with_speculation(config, draft=draft)
-                if config["method"] == "ngram" and not args.model:
-                    always_drafting(spec)
+                proposer = always_drafting(config) if config["method"] == "ngram" and not args.model else None
+                spec = llm.with_speculation(config, draft=draft, proposer=proposer)
                 compare(name, *greedy(spec, prompts, args.new_tokens))
 
 

@@ -42,7 +42,7 @@ from proposers.ngram import NgramProposer
 from spec_jax import LLM, SamplingParams
 from spec_jax.engine.config import LAYOUTS
 from spec_jax.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, claim_device_memory
-from spec_jax.engine.spec_config import ACTED_FIELDS
+from spec_jax.engine.spec_config import ACTED_FIELDS, parse_speculative_config
 
 
 def decode_rows(llm: LLM, batches, prompt_len: int, new_tokens: int, step_bytes, ceilings: Ceilings) -> list[dict]:
@@ -99,9 +99,10 @@ class NgramAlwaysDrafting(NgramProposer):
 
 
 def always_drafting(config: dict) -> NgramAlwaysDrafting:
-    """The `NgramAlwaysDrafting` proposer of an ngram speculative config."""
-    return NgramAlwaysDrafting(config["num_speculative_tokens"], config["prompt_lookup_min"],
-                               config["prompt_lookup_max"])
+    """The `NgramAlwaysDrafting` proposer of an ngram speculative config (its lookup window resolved
+    as the engine resolves it)."""
+    spec = parse_speculative_config(config)
+    return NgramAlwaysDrafting(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 def synthetic(config: dict, a: float) -> dict:
