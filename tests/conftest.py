@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints written by our own writer, HF fixtures on disk."""
+"""Shared fixtures: tiny random checkpoints written by our own writer, the LLMs over them (the
+helpers they share with the tests are in helpers.py), and the environment every test runs in."""
 
 import dataclasses
 import os
@@ -19,23 +20,13 @@ os.environ.setdefault("SPEC_JAX_XLA_CACHE", str(Path(__file__).parent.parent / "
 if FAST_COMPILE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once: a pytest started from a test sees them set
     os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
-from models.qwen3_5 import Qwen3_5Config  # noqa: E402
-from spec_jax import SamplingParams  # noqa: E402
+from helpers import DRAFT_GREEDY, TINY, drafter_prompts  # noqa: E402
 from spec_jax.engine.runner import enable_compilation_cache  # noqa: E402
 from spec_jax.writing.random_checkpoint import write_checkpoint  # noqa: E402
 
 # Every test shares the persistent compilation cache, not only those that build an LLM: a program
 # another test compiled is read back instead of compiled again.
 enable_compilation_cache()
-
-HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-
-TINY = Qwen3_5Config(
-    vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=16, linear_value_head_dim=24, rope_theta=10000.0, max_position_embeddings=1024,
-    mtp_num_hidden_layers=1, eos_token_id=(511,),
-)
 
 
 @pytest.fixture(scope="session")
@@ -70,28 +61,8 @@ def echo_dir(tmp_path_factory):
     return d
 
 
-# ----------------------------------------------------------------------------- drafter tests
-
-DRAFT_GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-
-
-def drafter_prompts() -> list[list[int]]:
-    """Three prompts of 5, 17 and 40 tokens in the tiny model's vocabulary."""
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, 500, n).tolist() for n in (5, 17, 40)]
-
-
 @pytest.fixture(scope="session")
 def plain_greedy(tiny_llm) -> list[list[int]]:
     """The tiny model's greedy completions of `drafter_prompts()`, speculation off."""
     outs = tiny_llm.generate(prompt_token_ids=drafter_prompts(), sampling_params=DRAFT_GREEDY)
     return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_greedy_equals_plain(llm, plain: list[list[int]]) -> None:
-    """A speculating `llm` reproduces `plain` alone and in a mixed batch whose middle row opts out."""
-    alone = llm.generate(prompt_token_ids=drafter_prompts()[:1], sampling_params=DRAFT_GREEDY)
-    assert alone[0].outputs[0].token_ids == plain[0]
-    params = [DRAFT_GREEDY, dataclasses.replace(DRAFT_GREEDY, speculative=False), DRAFT_GREEDY]
-    mixed = llm.generate(prompt_token_ids=drafter_prompts(), sampling_params=params)
-    assert [o.outputs[0].token_ids for o in mixed] == plain

@@ -1,0 +1,162 @@
+"""The speculative step: greedy spec-on equals spec-off, mixed batches, metrics, streaming, and
+the MTP head's state after rollbacks."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import HF_FIXTURES
+
+from models.layers import Batch
+from models.qwen3_5 import init_cache, init_mtp_cache
+from spec_jax import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n_rows=3, vocab=60, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in (5, 17, 40)[:n_rows]]
+
+
+def run(model_dir, spec, ids, params=GREEDY, **kw):
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4, batch_buckets=[4],
+              speculative_config=spec, **kw)
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def plain_echo(echo_dir):
+    ids = prompts()
+    return ids, run(echo_dir, None, ids)[0], run(echo_dir, None, ids[:1])[0]
+
+
+SPECS = [
+    {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    {"method": "ngram", "num_speculative_tokens": 5},
+    {"method": "mtp", "num_speculative_tokens": 1},
+    {"method": "mtp", "num_speculative_tokens": 2},
+    {"method": "mtp", "num_speculative_tokens": 3},
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s['method']}-k{s['num_speculative_tokens']}")
+def test_greedy_spec_equals_plain_alone_and_in_a_mixed_batch(echo_dir, plain_echo, spec):
+    ids, plain, plain_alone = plain_echo
+    alone, llm = run(echo_dir, spec, ids[:1])
+    assert alone == plain_alone
+    # Mixed batch: the second request opts out of drafting and shares every step.
+    params = [GREEDY, dataclasses.replace(GREEDY, speculative=False), GREEDY]
+    mixed, llm = run(echo_dir, spec, ids, params)
+    assert mixed == plain
+    m = llm.metrics
+    assert m["num_draft_tokens"] > 0 and 0 <= m["num_accepted_tokens"] <= m["num_draft_tokens"]
+
+
+@pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_oracle_drafts_on_a_non_degenerate_model(rollback, rate):
+    """The oracle proposes the target's own continuation with a share of tokens corrupted, so every
+    accepted count occurs on a model whose output does not repeat itself."""
+    d = HF_FIXTURES / "dense_vl"
+    ref = np.load(d / "reference.npz")
+    ids = [ref["prompt_ids"].tolist(), ref["prompt_ids_b"].tolist()]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    spec = {"method": "oracle", "num_speculative_tokens": 3, "oracle_corruption_rate": rate}
+    got, llm = run(d, spec, ids, params, rollback=rollback)
+    assert got == [ref["greedy_ids"].tolist(), ref["greedy_ids_b"].tolist()]
+    m = llm.metrics
+    if rate == 0:
+        assert m["acceptance_rate"] > 0.95  # only drafts past max_tokens are refused
+    else:
+        per_pos = m["acceptance_per_position"]
+        assert 0.2 < m["acceptance_rate"] < 0.9 and per_pos[0] >= per_pos[1] >= per_pos[2]
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+
+
+def test_metrics_per_request(echo_dir, plain_echo):
+    ids = plain_echo[0]
+    llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=4,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False)
+    for o in outs:
+        m = o.metrics
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
+                    "mean_acceptance_length", "acceptance_per_position", "tpot_s", "tokens_per_s"):
+            assert key in m
+        assert len(m["acceptance_per_position"]) == 2
+        # Prefill emits 1 token and every step accepted + 1; only the last step, with no room left
+        # under max_tokens, drafts nothing.
+        assert m["num_generated_tokens"] in (1 + m["num_drafts"] + m["num_accepted_tokens"] + extra for extra in (0, 1))
+    assert llm.metrics["num_requests"] == 3 and llm.metrics["tokens_per_s"] > 0
+
+
+def test_speculation_off_is_the_plain_path(echo_dir):
+    llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, speculative_config=None)
+    assert llm.engine.plan is None and llm.speculative_config is None
+    out = llm.generate(prompt_token_ids=prompts(1), sampling_params=GREEDY, use_tqdm=False)[0]
+    assert "num_drafts" not in out.metrics
+
+
+def test_streaming_yields_the_same_tokens(echo_dir, plain_echo):
+    ids, _, plain_alone = plain_echo
+    llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=1,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    chunks = list(llm.generate_stream(prompt_token_ids=ids[0], sampling_params=GREEDY))
+    assert sum(chunks, []) == plain_alone[0]
+    assert len(chunks) < len(plain_alone[0])  # accepted drafts arrive several per chunk
+
+
+def test_mtp_state_after_rollbacks_matches_a_full_forward(echo_dir):
+    """After a run with rejections, the MTP head's next draft and hidden state equal those of a
+    fresh MTP pass over the whole sequence: its KV cache was rewritten correctly."""
+    from spec_jax.engine.state import DecodeState  # noqa: F401  (the state the LLM runs)
+
+    llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=1,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    state, do_sample, _ = llm.engine.start(prompts(1), [params])
+    state = llm.engine.decode(state, 6, do_sample)
+    assert int(state.stats.num_drafts[0]) == 6 and 0 < int(state.stats.accepted[0]) < 18
+    n = int(state.lengths[0])
+    seq = jnp.asarray(state.tokens[:, :n])
+    model = llm.model
+    hidden = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
+                   init_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1).hidden
+    h, _ = model.mtp(model.embed(seq[:, 1:]), hidden, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
+                     init_mtp_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1)
+    np.testing.assert_allclose(state.proposer.hidden[0], h[0, -1], rtol=1e-4, atol=1e-4)
+    assert int(state.proposer.draft[0]) == int(jnp.argmax(model.logits(h[0, -1])))
+
+
+def test_mtp_refused_on_a_checkpoint_without_mtp():
+    with pytest.raises(ValueError, match="no mtp"):
+        LLM(model=str(HF_FIXTURES / "next"), dtype="float32", speculative_config={"method": "mtp"})
+
+
+@pytest.mark.parametrize("bad, field", [('{"method": "ngram"}', "num_speculative_tokens"),
+                                        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                                        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,'
+                                         ' "prompt_lookup_max": 2}', "prompt_lookup_min"),
+                                        ('{"method": "medusa", "num_speculative_tokens": 2}', "not implemented"),
+                                        ('{"method": "eagle3", "num_speculative_tokens": 2}', "needs 'model'"),
+                                        ('{"method": "mtp", ', "not valid JSON")])
+def test_bad_configs_fail_at_load(tiny_dir, bad, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(tiny_dir), speculative_config=bad)
+
+
+def test_oracle_tokens_through_a_real_drafter():
+    """`oracle_corruption_rate` on a drafter method: the MTP head still runs and keeps its state,
+    but the oracle's tokens are verified, so output is unchanged and acceptance is the oracle's."""
+    d = HF_FIXTURES / "dense_vl"
+    ref = np.load(d / "reference.npz")
+    ids = [ref["prompt_ids"].tolist(), ref["prompt_ids_b"].tolist()]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "oracle_corruption_rate": 0.0}
+    got, llm = run(d, spec, ids, params)
+    assert got == [ref["greedy_ids"].tolist(), ref["greedy_ids_b"].tolist()]
+    assert llm.metrics["acceptance_rate"] > 0.95  # the random MTP head alone accepts almost nothing
