@@ -1,9 +1,9 @@
 """Loading a checkpoint by converting it again against restoring `spec-jax convert`'s Orbax
 output, on a random model of a real geometry.
 
-    python bench/restore_vs_convert.py --geometry 0.8b                        # bf16 safetensors
-    python bench/restore_vs_convert.py --geometry 0.8b --source gguf-q8_0     # dequantized at load
-    python bench/restore_vs_convert.py --geometry 0.8b --quantization int8    # quantized at load
+    python -m bench.restore_vs_convert --geometry 0.8b                        # bf16 safetensors
+    python -m bench.restore_vs_convert --geometry 0.8b --source gguf-q8_0     # dequantized at load
+    python -m bench.restore_vs_convert --geometry 0.8b --quantization int8    # quantized at load
 
 "Convert again" is what a load without the Orbax copy has to do each time: read the source and
 map, stack and cast it, plus dequantize a GGUF and quantize with --quantization. Each load is

@@ -1,9 +1,9 @@
 """Speculation on against off: decode tokens/s, acceptance figures and speedup, one model load.
 
-    python bench/speculative.py --geometry 0.8b --batch 1 8 \
+    python -m bench.speculative --geometry 0.8b --batch 1 8 \
         --spec '{"method":"oracle","num_speculative_tokens":3,"oracle_corruption_rate":0.2}' \
         --spec '{"method":"mtp","num_speculative_tokens":1}' --rollback checkpoint replay
-    python bench/speculative.py --model DIR --prompts prompts.txt --spec '{"method":"ngram","num_speculative_tokens":3}'
+    python -m bench.speculative --model DIR --prompts prompts.txt --spec '{"method":"ngram","num_speculative_tokens":3}'
 
 Each configuration runs once to compile and is timed on a second run. Decode time excludes
 prefill. "step ms" is the decode time over the batch's decode steps; the speedup bound for a

@@ -12,8 +12,7 @@ each verify.
 With --batch-invariant each pass is also traced in batch-invariant mode, and the diff printed is
 the mode's pass minus the default pass, kernel family by family, instead of verify minus decode.
 
-(`python -m` from the repository root, or PYTHONPATH=. with `python bench/step_profile.py`:
-`bench` is not an installed package.)
+(`python -m bench.step_profile` from the repository root: `bench` is not an installed package.)
 
 Where the events come from (printed for every pass):
   * GPU: the "/device:GPU:N" planes' "Stream #..." lines, the raw CUPTI records with one event

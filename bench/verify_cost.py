@@ -2,7 +2,7 @@
 tokens (verify) with each rollback, the commit, and the logits, each jitted and timed over
 back-to-back calls on a random model of a real geometry.
 
-    python bench/verify_cost.py --geometry 0.8b --batch 1 8 --k 1 3 [--quantization nvfp4]
+    python -m bench.verify_cost --geometry 0.8b --batch 1 8 --k 1 3 [--quantization nvfp4]
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bench.models import GEOMETRIES, add_layout_flag, geometry_config, layout_name, random_model
-from models.layers import Batch
 from models.qwen3_5 import init_cache
 from pallas_kernels.quant_formats import FORMATS
 from spec_jax.engine.config import default_decode_layout
+from spec_jax.engine.step import verify_pass
 
 
 def timed(fn, *args, reps: int = 50) -> float:
@@ -45,13 +45,13 @@ def build_model(geometry: str, quantization: str | None = None, rolled: bool = F
 
 def make_forward(gdef, kv_len: int):
     """forward(params, tokens, start, cache, rollback, with_logits) -> (logits or hidden, cache):
-    one target pass over tokens [B, T] at positions start; with a rollback it commits T // 2 + 1
-    tokens (the verify step's bookkeeping)."""
+    the speculative step's target pass (`verify_pass`) over tokens [B, T] at positions start; with
+    a rollback it commits T // 2 + 1 tokens (the verify step's bookkeeping)."""
 
     def forward(params, tokens, start, cache, rollback, with_logits):
         m = nnx.merge(gdef, params)
-        batch = Batch(start, jnp.full_like(start, tokens.shape[1]))
-        out = m(tokens, batch, cache, kv_len=kv_len, rollback=rollback)
+        out = verify_pass(m, cache, tokens, start, jnp.full_like(start, tokens.shape[1]), kv_len=kv_len,
+                          rollback=rollback)
         hidden, cache = out.hidden, out.cache
         if rollback is not None:
             cache = m.commit(cache, out.pending, jnp.full_like(start, tokens.shape[1] // 2 + 1))

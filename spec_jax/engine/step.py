@@ -118,6 +118,16 @@ def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bo
     return dataclasses.replace(state, steps=state.steps + 1)
 
 
+def verify_pass(model: Qwen3_5Model, cache, inputs, start, n_valid, *, kv_len: int, rollback: str | None,
+                taps: tuple[int, ...] = ()) -> ForwardOut:
+    """The speculative step's target pass: inputs [B, T] (each row's newest token, then its drafts)
+    at positions start [B] onward, n_valid [B] of them real, over `cache` with kv_len slots. With a
+    rollback ("checkpoint" or "replay") the attention K/V are written, the GDN caches left as they
+    were and what rollback needs kept in `pending`, for `model.commit` to keep the accepted prefix;
+    with None, a plain pass. bench.verify_cost times this function, so its figures are the step's."""
+    return model(inputs, Batch(start=start, n_valid=n_valid), cache, kv_len=kv_len, rollback=rollback, taps=taps)
+
+
 def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan, do_sample: bool) -> DecodeState:
     """One speculative step: propose k drafts, verify [newest, d1..dk] in one target pass,
     accept, roll every cache back to the accepted prefix, append n_acc + 1 tokens per row.
@@ -139,8 +149,8 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
 
     def verify(_):
         inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
-        batch = Batch(start=state.lengths - 1, n_valid=jnp.where(live, n_draft + 1, 0))
-        target = model(inputs, batch, state.cache, kv_len=L, rollback=plan.rollback, taps=plan_taps(plan))
+        target = verify_pass(model, state.cache, inputs, state.lengths - 1, jnp.where(live, n_draft + 1, 0), kv_len=L,
+                             rollback=plan.rollback, taps=plan_taps(plan))
         positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
         counts = None if state.history is None else state.history.through(drafts)
         raw = model.logits(target.hidden)
