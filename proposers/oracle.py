@@ -30,19 +30,19 @@ class OracleProposer:
     def with_continuation(state, continuation):
         return continuation
 
-    def propose(self, model, draft, reference, tokens, lengths, choose):
-        B, L = reference.shape
+    def propose(self, model, draft, continuation, tokens, lengths, choose):
+        B, L = continuation.shape
         idx = jnp.minimum(lengths[:, None] + jnp.arange(self.k)[None, :], L - 1)
-        drafts = jnp.take_along_axis(reference, idx, axis=1)
+        drafts = jnp.take_along_axis(continuation, idx, axis=1)
         key = jax.random.fold_in(jax.random.key(self.seed), jnp.sum(lengths))
         u_key, shift_key = jax.random.split(key)
         corrupt = jax.random.uniform(u_key, (B, self.k)) < self.corruption_rate
         shift = jax.random.randint(shift_key, (B, self.k), 1, self.vocab_size)
         drafts = jnp.where(corrupt, (drafts + shift) % self.vocab_size, drafts)
-        return drafts, jnp.full_like(lengths, self.k), None, reference
+        return drafts, jnp.full_like(lengths, self.k), None, continuation
 
-    def update(self, model, draft, reference, target, emitted, n_acc, lengths, choose):
-        return reference
+    def update(self, model, draft, continuation, target, emitted, n_acc, lengths, choose):
+        return continuation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +76,13 @@ class OracleTokens:
         return state[0], continuation
 
     def propose(self, model, draft, state, tokens, lengths, choose):
-        inner_state, reference = state
+        inner_state, continuation = state
         own, n_draft, _, inner_state = self.inner.propose(model, draft, inner_state, tokens, lengths, choose)
-        drafts, _, _, reference = self.oracle.propose(model, draft, reference, tokens, lengths, choose)
+        drafts, _, _, continuation = self.oracle.propose(model, draft, continuation, tokens, lengths, choose)
         # Token ids are never negative, but XLA cannot prove it, so the drafter's work stays live.
         drafts = jnp.where(own < 0, own, drafts)
-        return drafts, n_draft, None, (inner_state, reference)
+        return drafts, n_draft, None, (inner_state, continuation)
 
     def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):
-        inner_state, reference = state
-        return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), reference
+        inner_state, continuation = state
+        return self.inner.update(model, draft, inner_state, target, emitted, n_acc, lengths, choose), continuation

@@ -88,7 +88,6 @@ class Runner:
         use_layout((model, draft), config.layout)
         self.cfg: Qwen3_5Config = model.cfg
         self.dtype = model.dtype
-        self.draft = draft
         self.cache_len = config.cache_len
         self.compiler_options = config.xla_options
         self.invariant_rows = invariant_tile_rows() if config.batch_invariant else None
