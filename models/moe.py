@@ -35,9 +35,9 @@ class Experts(nnx.Module):
     """Routed experts, fused as in the checkpoint: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
 
     def __init__(self, cfg, *, stack=(), dtype=jnp.float32):
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = zeros_param((*stack, E, 2 * I, H), dtype)
-        self.down_proj = zeros_param((*stack, E, H, I), dtype)
+        E, H, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = zeros_param((*stack, E, 2 * inner, H), dtype)
+        self.down_proj = zeros_param((*stack, E, H, inner), dtype)
 
     def __call__(self, x: jax.Array, idx: jax.Array, weights: jax.Array) -> jax.Array:
         """x: [N, H]; idx, weights: [N, k] chosen experts and their routing weights -> [N, H]."""

@@ -10,7 +10,8 @@ rows <= P + min(E, P) x block_m (at most one partial tile per expert that has a 
     y[r] = w[r] * (h[r] @ D[e]^T)                        down [E, H, I]
 for row r of a tile of expert e; each pair's y is then gathered back and summed over its token's k.
 
-`expert_swiglu_tiled` runs the tiles in plain JAX, one after another (the CPU path); `expert_swiglu_grouped_pallas` runs them as two Triton kernels, one program per (tile,
+`expert_swiglu_tiled` runs the tiles in plain JAX, one after another (the CPU path);
+`expert_swiglu_grouped_pallas` runs them as two Triton kernels, one program per (tile,
 block of output channels), tiles past the last one used skipping their work. The SwiGLU is applied
 in the gate_up kernel's epilogue (both halves of a channel block are computed by one program), the
 routing weight in the down kernel's.

@@ -13,7 +13,8 @@ from helpers import relative_error
 
 from pallas_kernels.expert_grouped import (GroupTiling, expert_swiglu_grouped_pallas, expert_swiglu_tiled,
                                            group_by_expert, tile_count)
-from pallas_kernels.expert_matmul import Tiling, expert_swiglu, expert_swiglu_pallas, expert_swiglu_reference, kernel_fits
+from pallas_kernels.expert_matmul import (Tiling, expert_swiglu, expert_swiglu_pallas, expert_swiglu_reference,
+                                          kernel_fits)
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 
@@ -29,7 +30,9 @@ def random_experts(N: int, k: int, *, E=6, H=64, inner=32, seed=0, dtype=jnp.flo
     if ids is None:
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(N)]).astype(np.int32)
     weights = rng.dirichlet(np.ones(k), size=N)
-    cast = lambda a: jnp.asarray(a, dtype)
+    def cast(a):
+        return jnp.asarray(a, dtype)
+
     return cast(x), cast(gate_up), cast(down), jnp.asarray(ids), cast(weights)
 
 
