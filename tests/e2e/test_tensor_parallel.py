@@ -16,8 +16,9 @@ CASES = Path(__file__).parent / "tensor_parallel_cases.py"
 def test_on_four_cpu_devices():
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    # From the repository root: in tests/ the test folders proposers/ and models/ would shadow the packages
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)], env=env,
-                         cwd=CASES.parent.parent, capture_output=True, text=True, timeout=1200)
+                         cwd=CASES.parents[2], capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
 
 
