@@ -22,13 +22,13 @@ import argparse
 import dataclasses
 import functools
 import json
-import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import copy_rate, loop_time_s
 from models.layers import attend_masked
 from pallas_kernels.flash_attention import flash_attention_pallas
 from pallas_kernels.flash_attention_wgmma import flash_attention_wgmma, use_wgmma_attention
@@ -48,12 +48,8 @@ def max_rel_error(got, want) -> float:
 
 
 def loop_time_us(step, carry, reps: int = 200) -> float:
-    """Mean time of `step` over `reps` iterations of one jitted fori_loop (carry threads through)."""
-    run = jax.jit(lambda c: jax.lax.fori_loop(0, reps, lambda i, c: step(c), c))
-    jax.block_until_ready(run(carry))
-    t = time.perf_counter()
-    jax.block_until_ready(run(carry))
-    return 1e6 * (time.perf_counter() - t) / reps
+    """Mean microseconds of `step` over `reps` iterations of one jitted fori_loop."""
+    return 1e6 * loop_time_s(step, carry, reps)
 
 
 def gdn_case(B, T, nv, keep, rng):
@@ -78,13 +74,6 @@ def gdn_case(B, T, nv, keep, rng):
             "max_rel_err": max_rel_error(got, want),
             "kernel_us": t_kernel, "xla_us": t_xla, "speedup_vs_xla": t_xla / t_kernel,
             "kernel_GB_s": nbytes / t_kernel / 1e3}
-
-
-def hbm_ceiling_GB_s() -> float:
-    """Elementwise read + write of 4 GiB, counted both ways: JAX's achievable HBM bandwidth."""
-    x = jnp.ones((1 << 29,), jnp.float32) * 1.5
-    t = loop_time_us(lambda a: a * 1.0001, x, reps=20)
-    return 2 * x.nbytes / t / 1e3
 
 
 def matmul_time_us(f, x, reps=200):
@@ -426,7 +415,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     if args.only in (None, "quant"):
-        ceiling = hbm_ceiling_GB_s()
+        ceiling = copy_rate() / 1e9
         print(json.dumps({"hbm_ceiling_GB_s": ceiling}), flush=True)
     if args.only in (None, "quant"):
         rows += quant_cases(rng, ceiling, args.rows, tuple(args.shape), args.formats)
