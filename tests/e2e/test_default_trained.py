@@ -68,26 +68,35 @@ def test_random_fallback_without_shipped_assets(tmp_path, monkeypatch):
     assert (tmp_path / default_model.NAME / "tokenizer.json").exists()
 
 
-def test_dflash_training_objective_scores_the_block_inference_drafts(trained_dir):
-    """The distillation loss looks at an anchor exactly as the proposer drafts there: feeding the
-    proposer's first block back as labels, the training pass accepts all seven drafts."""
+def inference_drafts(trained_dir, method: str, k: int):
+    """The shipped `method` drafter's first greedy drafts on the held-out prompt, as the engine's
+    proposer makes them: (llm, target model, drafts [1, k], P = prompt length, the prompt, the first
+    generated token and the drafts as one sequence [1, P + 1 + k])."""
     import jax.numpy as jnp
     from flax import nnx
 
     from spec_jax.engine.step import drafting_policy
-    from spec_jax.loading.drafters import load_dflash
-    from spec_jax.training.train import dflash_loss
 
     prompt = json.loads(HELDOUT_CODE.read_text())["prompt_ids"]
     llm = LLM(model=str(trained_dir), dtype="float32", max_model_len=256, max_num_seqs=1,
-              speculative_config={"method": "dflash", "model": str(trained_dir / "dflash"),
-                                  "num_speculative_tokens": 7})
+              speculative_config={"method": method, "model": str(trained_dir / method), "num_speculative_tokens": k})
     state = llm.prefill([prompt], SamplingParams(max_tokens=8, temperature=0.0))
     model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     choose = drafting_policy(state.sampling, probabilistic=False, do_sample=False)
     drafts = llm.engine.plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)[0]
-    P = len(prompt)  # the anchor: the first generated token sits at position P
-    seqs = jnp.concatenate([state.tokens[:1, :P + 1], drafts[:1]], axis=1)
+    P = len(prompt)
+    return llm, model, drafts, P, jnp.concatenate([state.tokens[:1, :P + 1], drafts[:1]], axis=1)
+
+
+def test_dflash_training_objective_scores_the_block_inference_drafts(trained_dir):
+    """The distillation loss looks at an anchor exactly as the proposer drafts there: feeding the
+    proposer's first block back as labels, the training pass accepts all seven drafts."""
+    import jax.numpy as jnp
+
+    from spec_jax.loading.drafters import load_dflash
+    from spec_jax.training.train import dflash_loss
+
+    llm, model, drafts, P, seqs = inference_drafts(trained_dir, "dflash", 7)  # the anchor: first generated at P
     _, metrics = dflash_loss(load_dflash(trained_dir / "dflash", llm.cfg, jnp.float32)[0], model, seqs,
                              jnp.asarray([[P]]), gamma=4.0)
     assert float(metrics["accept_len"]) == 8.0, (drafts, metrics)
@@ -97,22 +106,11 @@ def test_eagle3_training_objective_scores_the_chain_inference_drafts(trained_dir
     """Training-time test runs the head as the chained proposer does: fed the proposer's three
     drafts, training step j's argmax at the row that drafts token P+1+j is draft j."""
     import jax.numpy as jnp
-    from flax import nnx
 
-    from spec_jax.engine.step import drafting_policy
     from spec_jax.loading.drafters import load_eagle3
     from spec_jax.training.train import eagle3_steps
 
-    prompt = json.loads(HELDOUT_CODE.read_text())["prompt_ids"]
-    llm = LLM(model=str(trained_dir), dtype="float32", max_model_len=256, max_num_seqs=1,
-              speculative_config={"method": "eagle3", "model": str(trained_dir / "eagle3"),
-                                  "num_speculative_tokens": 3})
-    state = llm.prefill([prompt], SamplingParams(max_tokens=8, temperature=0.0))
-    model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
-    choose = drafting_policy(state.sampling, probabilistic=False, do_sample=False)
-    drafts = llm.engine.plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)[0]
-    P = len(prompt)  # row P-1 reads the first generated token (position P) and drafts position P+1
-    seqs = jnp.concatenate([state.tokens[:1, :P + 1], drafts[:1]], axis=1)
+    llm, model, drafts, P, seqs = inference_drafts(trained_dir, "eagle3", 3)  # row P-1 drafts position P+1
     head = load_eagle3(trained_dir / "eagle3", llm.cfg, jnp.float32)[0]
     outs = eagle3_steps(head, model, seqs, 3)
     target_ids = jnp.arange(head.cfg.draft_vocab_size) + head.d2t[...]
