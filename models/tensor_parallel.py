@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.layers import Linear, group_order
-from models.qwen3_5 import GatedDeltaNet, Qwen3_5Config, Qwen3_5Model
+from models.gated_deltanet import GatedDeltaNet
+from models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
 from pallas_kernels.quant_formats import BLOCK
 from pallas_kernels.tensor_parallel import TP, on_axis
 

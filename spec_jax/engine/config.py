@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.qwen3_5 import CHUNK, ROLLBACKS, Qwen3_5Config
+from pallas_kernels.gdn_chunked import CHUNK
+from models.qwen3_5 import ROLLBACKS, Qwen3_5Config
 from spec_jax.engine.params import INT32_MAX, check_int
 from spec_jax.engine.spec_config import SpeculativeConfig, check_mtp_head
 

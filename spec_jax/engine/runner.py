@@ -24,7 +24,8 @@ from flax import nnx
 from jax.extend.core import Var
 from jax.sharding import Mesh
 
-from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Config, Qwen3_5Model
+from pallas_kernels.gdn_chunked import CHUNK
+from models.qwen3_5 import ForwardOut, Qwen3_5Config, Qwen3_5Model
 from models.tensor_parallel import replicate
 from pallas_kernels.batch_invariant import batch_invariant, invariant_tile_rows
 from spec_jax.engine.config import EngineConfig

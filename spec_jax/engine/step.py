@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from models.layers import Batch
-from models.qwen3_5 import CHUNK, ForwardOut, Qwen3_5Model, init_cache
+from pallas_kernels.gdn_chunked import CHUNK
+from models.qwen3_5 import ForwardOut, Qwen3_5Model, init_cache
 from pallas_kernels.batch_invariant import invariant_rows
 from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic, draw,
                                      process_logits, ranked_logprobs, sample_tokens, warp_logits)

@@ -19,7 +19,8 @@ from models.dflash import DFlashConfig
 from models.eagle3 import Eagle3Config
 from models.layers import Linear, PlainRMSNorm
 from models.qwen3 import Qwen3Config
-from models.qwen3_5 import GatedDeltaNet, GatedRMSNorm, Qwen3_5Config, RMSNorm
+from models.gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from models.qwen3_5 import Qwen3_5Config, RMSNorm
 
 INIT_STD = 0.02
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")  # residual-stream writers, scaled down with depth

@@ -9,7 +9,8 @@ from flax import nnx
 from helpers import relative_error
 
 from models.layers import Batch, KVCache
-from models.qwen3_5 import GDNCache, init_cache
+from models.gated_deltanet import GDNCache
+from models.qwen3_5 import init_cache
 from spec_jax.loading import load_model
 
 L, N_PROMPT, K = 128, 11, 3

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from models.layers import PlainRMSNorm
-from models.qwen3_5 import GatedRMSNorm, RMSNorm
+from models.gated_deltanet import GatedRMSNorm
+from models.qwen3_5 import RMSNorm
 from pallas_kernels import rms_norm as rn
 from pallas_kernels.batch_invariant import batch_invariant
 

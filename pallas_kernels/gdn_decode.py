@@ -1,0 +1,131 @@
+"""One decode token of a Gated DeltaNet layer in one kernel, from its projections to its output.
+
+Per row and value head h (key head h // (nv // nk)), with the layer's K-tap window:
+    u = silu(sum_s seq[s] * conv_w[:, s])           short causal convolution, per channel
+    q, k, v = u's channel parts; q, k L2-normalised (q also scaled by dk^-1/2)
+    beta = sigmoid(b_h);  g = -exp(A_log_h) * softplus(a_h + dt_bias_h)
+    S = exp(g) * S;  S = S + k (beta (v - S^T k))^T;  o = S^T q
+A row that is not valid this step (a finished or padding row) gets g = beta = 0: its state stays.
+
+Unfused, XLA runs this as about ten small kernels a layer (the convolution, the two gates, the
+norms, the head repeat, the recurrence's reductions), each a launch of ~2 us around < 1 us of
+work; at batch 1 they cost more than the layer's weight reads. One program per (row, value head,
+block of value columns) recomputes its key head's q and k (a few hundred multiply-adds) rather
+than share them, so no program waits on another. The model's unfused path is the reference.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.batch_invariant import invariant_rows
+from pallas_kernels.gdn_common import L2_EPS
+
+BLOCK_V = 32  # value columns a program: its [dk, 32] float32 state tile stays in registers
+
+
+def _conv_silu(seq_ref, w_ref) -> jax.Array:
+    """seq [K, n] (the window then the token), w [n, K] -> silu of the K-tap convolution, [n] f32."""
+    taps = seq_ref.shape[0]
+    acc = seq_ref[0, :].astype(jnp.float32) * w_ref[:, 0].astype(jnp.float32)
+    for s in range(1, taps):
+        acc += seq_ref[s, :].astype(jnp.float32) * w_ref[:, s].astype(jnp.float32)
+    return acc * jax.nn.sigmoid(acc)
+
+
+def _decode_kernel(q_seq, k_seq, v_seq, q_w, k_w, v_w, b_ref, a_ref, a_log_ref, dt_bias_ref, valid_ref, s0_ref,
+                   o_ref, s_ref):
+    """One (row, value head, value block): seq parts [K, dk] / [K, BV], weights [dk, K] / [BV, K],
+    b, a, valid [1], A_log, dt_bias [1], state [dk, BV]."""
+    q = _conv_silu(q_seq, q_w)
+    k = _conv_silu(k_seq, k_w)
+    v = _conv_silu(v_seq, v_w)
+    q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * (q.shape[0] ** -0.5)
+    k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    valid = valid_ref[...]
+    beta = jax.nn.sigmoid(b_ref[...].astype(jnp.float32)) * valid
+    decay = -jnp.exp(a_log_ref[...]) * jax.nn.softplus(a_ref[...].astype(jnp.float32) + dt_bias_ref[...]) * valid
+    s = s0_ref[...] * jnp.exp(decay)
+    delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    o_ref[...] = jnp.sum(s * q[:, None], axis=0)
+    s_ref[...] = s
+
+
+@functools.partial(jax.jit, static_argnames=("num_k_heads", "interpret"))
+def gdn_decode_pallas(seq, conv_w, b, a, A_log, dt_bias, valid, state, *, num_k_heads: int,
+                      interpret: bool = False):
+    """The fused decode token.
+
+    Args:
+      seq: [B, K, C] the conv window's K-1 inputs then the token's projection, channels
+        [q (nk*dk) | k (nk*dk) | v (nv*dv)].
+      conv_w: [C, K] the depthwise convolution's taps.
+      b, a: [B, nv] the write-strength and decay projections. A_log, dt_bias: [nv] float32.
+      valid: [B] bool, rows whose token counts this step.
+      state: [B, nv, dk, dv] float32.
+      num_k_heads: nk.
+    Returns:
+      o [B, nv, dv] float32 and the new state [B, nv, dk, dv] float32.
+    """
+    B, K, _ = seq.shape
+    _, nv, dk, dv = state.shape
+    nk, bv = num_k_heads, BLOCK_V
+    r, v_block0 = nv // nk, 2 * nk * dk // bv
+
+    def per_head(x):  # [..., nv] -> [..., nv, 1] float32: a size-1 block per program
+        return x.astype(jnp.float32).reshape(*x.shape, 1)
+
+    # Each operand's channel block, in units of its block width: q's and k's key head, v's columns.
+    def q_block(bh, iv):
+        return (bh % nv) // r
+
+    def k_block(bh, iv):
+        return nk + (bh % nv) // r
+
+    def v_block(bh, iv):
+        return v_block0 + (bh % nv) * (dv // bv) + iv
+
+    def window(width, block):
+        return pl.BlockSpec((None, K, width), lambda bh, iv: (bh // nv, 0, block(bh, iv)))
+
+    def taps(width, block):
+        return pl.BlockSpec((width, K), lambda bh, iv: (block(bh, iv), 0))
+
+    row_head = pl.BlockSpec((None, None, 1), lambda bh, iv: (bh // nv, bh % nv, 0))
+    head = pl.BlockSpec((None, 1), lambda bh, iv: (bh % nv, 0))
+    row = pl.BlockSpec((None, 1), lambda bh, iv: (bh // nv, 0))
+    state_tile = pl.BlockSpec((None, None, dk, bv), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
+    in_specs = [window(dk, q_block), window(dk, k_block), window(bv, v_block),
+                taps(dk, q_block), taps(dk, k_block), taps(bv, v_block),
+                row_head, row_head, head, head, row, state_tile]
+    out_specs = [pl.BlockSpec((None, None, bv), lambda bh, iv: (bh // nv, bh % nv, iv)), state_tile]
+    out_shape = [jax.ShapeDtypeStruct((B, nv, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+    return pl.pallas_call(
+        _decode_kernel,
+        out_shape=out_shape,
+        grid=(B * nv, dv // bv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="gdn_decode",
+    )(seq, seq, seq, conv_w, conv_w, conv_w, per_head(b), per_head(a), per_head(A_log), per_head(dt_bias),
+      per_head(valid), state.astype(jnp.float32))
+
+
+def use_decode_kernel(tokens: int, taps: int, state: jax.Array, shards: int) -> bool:
+    """Whether a GDN layer's pass of `tokens` tokens with a `taps`-tap convolution and state
+    [B, nv, dk, dv] runs `gdn_decode_pallas`: one token, on a GPU, on one device, outside
+    batch-invariant mode, at power-of-two taps and dk and dv a multiple of BLOCK_V (Triton's
+    block rule)."""
+    dk, dv = state.shape[-2:]
+    return (tokens == 1 and jax.default_backend() == "gpu" and shards == 1 and invariant_rows() is None
+            and is_pow2(taps) and is_pow2(dk) and dv % BLOCK_V == 0)
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

@@ -1,0 +1,54 @@
+"""The fused GDN decode kernel in interpret mode against the layer's unfused path
+(`GatedDeltaNet.delta_rule`: convolution, gates and recurrence as separate ops), float32, with
+every parameter random, grouped value heads, several value blocks and a row that is not valid."""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import TINY, relative_error
+
+from models.gated_deltanet import GatedDeltaNet
+from pallas_kernels.gdn_decode import BLOCK_V, gdn_decode_pallas, use_decode_kernel
+
+warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+
+
+def random_layer(cfg, seed: int) -> GatedDeltaNet:
+    layer = GatedDeltaNet(cfg)
+    rng = np.random.default_rng(seed)
+    for _, param in nnx.iter_graph(layer):
+        if isinstance(param, nnx.Param):
+            param[...] = jnp.asarray(rng.normal(scale=0.5, size=param[...].shape), jnp.float32)
+    return layer
+
+
+@pytest.mark.parametrize("nk, nv, dk, dv", [(2, 4, 16, 32), (1, 3, 32, 64), (2, 2, 16, 96)])
+def test_fused_decode_matches_the_unfused_layer(nk, nv, dk, dv):
+    cfg = dataclasses.replace(TINY, linear_num_key_heads=nk, linear_num_value_heads=nv, linear_key_head_dim=dk,
+                              linear_value_head_dim=dv)
+    layer = random_layer(cfg, seed=nv * dv)
+    B, K, C = 3, cfg.linear_conv_kernel_dim, cfg.conv_dim
+    rng = np.random.default_rng(1)
+    seq = jnp.asarray(rng.normal(size=(B, K, C)), jnp.float32)
+    b, a = (jnp.asarray(rng.normal(scale=2.0, size=(B, 1, nv)), jnp.float32) for _ in range(2))
+    valid = jnp.array([[True], [False], [True]])
+    state = jnp.asarray(rng.normal(size=(B, nv, dk, dv)), jnp.float32)
+
+    o_ref, s_ref, _ = layer.delta_rule(seq, b, a, valid, state, None)
+    o, s = gdn_decode_pallas(seq, layer.conv1d[...][:, 0, :], b[:, 0], a[:, 0], layer.A_log[...],
+                             layer.dt_bias[...], valid[:, 0], state, num_k_heads=nk, interpret=True)
+    assert relative_error(o, o_ref[:, 0]) < 1e-5
+    assert relative_error(s, s_ref) < 1e-5
+    np.testing.assert_array_equal(s[1], state[1])  # a row that is not valid keeps its state
+
+
+def test_the_kernel_is_chosen_only_for_one_token_on_a_gpu():
+    state = jnp.zeros((1, 4, 16, 2 * BLOCK_V))
+    assert not use_decode_kernel(1, 4, state, 1)  # this machine has no GPU: the unfused path
+    if jax.default_backend() == "gpu":
+        assert use_decode_kernel(1, 4, state, 1) and not use_decode_kernel(2, 4, state, 1)
