@@ -201,8 +201,10 @@ def test_sixteen_concurrent_streaming_clients(served):
     [t.join(timeout=300) for t in threads]
     assert got == [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in ref]
     after = metrics(url)
-    finished = sum(after[f'vllm:request_success_total{{finished_reason="{r}"}}'] for r in ("stop", "length"))
-    assert finished - sum(before[f'vllm:request_success_total{{finished_reason="{r}"}}'] for r in ("stop", "length")) == 16
+    def finished(m):
+        return sum(m[f'vllm:request_success_total{{finished_reason="{r}"}}'] for r in ("stop", "length"))
+
+    assert finished(after) - finished(before) == 16
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated == sum(len(o.outputs[0].token_ids) for o in ref)
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
