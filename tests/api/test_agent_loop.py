@@ -5,13 +5,11 @@ the model answers. The model follows a script (`scripted_model`): its output is 
 output, parsed by the server; each turn equals the same turn with speculation off."""
 
 import json
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import live_server
 from scripted_model import ANSWER_TURN, CALL_TURN, write_scripted_checkpoint
 
 from spec_jax import LLM
@@ -34,17 +32,8 @@ def agent_server(tmp_path_factory):
     server = Server(llm, served_model_name="scripted", steps_per_chunk=2, api_key="sesame",
                     parsers=ChatParsers(tool_call_parser="qwen3_coder", enable_auto_tool_choice=True,
                                         reasoning_parser="qwen3"))
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not uv.started:
-        assert thread.is_alive() and time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}"
-    yield url, ids, openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
-    uv.should_exit = True
-    thread.join(timeout=60)
+    with live_server(build_app(server)) as url:
+        yield url, ids, openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
 
 
 def ask(client, messages, speculative=True, **fields):
