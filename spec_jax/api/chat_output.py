@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from spec_jax.api.forced_tool_calls import ForcedCallParser
 from spec_jax.api.reasoning import ReasoningSplitter
 from spec_jax.api.tool_parsers import ToolCallParser, merge_deltas
 
@@ -41,7 +42,7 @@ class ChatChoiceText:
     """Splits one choice's text as it arrives. reasoning: None without a reasoning parser, else
     whether the prompt left the reasoning open; tools: the tool-call parser (None: no parsing)."""
 
-    def __init__(self, reasoning: bool | None, tools: ToolCallParser | None):
+    def __init__(self, reasoning: bool | None, tools: ToolCallParser | ForcedCallParser | None):
         self.splitter = None if reasoning is None else ReasoningSplitter(reasoning)
         self.tools = tools
         self.called = False  # whether any tool call was read

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from spec_jax.api.forced_tool_calls import ForcedCallParser
 from spec_jax.api.openai_requests import APIError, ChatBody
 from spec_jax.api.reasoning import REASONING_PARSERS
 from spec_jax.api.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser
@@ -76,9 +77,8 @@ def check_functions(items, where: str, param: str, form: str, *, calls: bool) ->
 
 
 def tool_choice(body: ChatBody, parsers: ChatParsers) -> str:
-    """The request's tool_choice, "none" or "auto" (OpenAI's default: "auto" when tools are given).
-    "required" and a named function need the answer constrained to a call's grammar, which this
-    server does not have yet: a 400 says so."""
+    """The request's tool_choice checked: "none", "auto" (OpenAI's default when tools are given),
+    "required", or "named" (the function is `named_function(body)`)."""
     choice = body.tool_choice
     if choice is None:
         choice = "auto" if body.tools else "none"
@@ -98,20 +98,33 @@ def tool_choice(body: ChatBody, parsers: ChatParsers) -> str:
                        param="tool_choice")
     if choice != "none" and not body.tools:
         raise APIError(400, f"tool_choice={body.tool_choice!r} needs tools", param="tool_choice")
-    if choice in ("required", "named"):
-        raise APIError(400, f"tool_choice={json.dumps(body.tool_choice)} needs the answer constrained to a call, "
-                            f"which needs structured output; this server does not have it yet: use 'auto'",
-                       param="tool_choice")
     if choice == "auto" and not parsers.enable_auto_tool_choice:
         raise APIError(400, '"auto" tool choice needs the server started with --enable-auto-tool-choice and '
                             f"--tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})", param="tool_choice")
     return choice
 
 
-def tool_call_parser(body: ChatBody, parsers: ChatParsers, choice: str) -> ToolCallParser | None:
+def named_function(body: ChatBody) -> str | None:
+    """The function a named tool_choice names (None for the other choices)."""
+    return body.tool_choice["function"]["name"] if isinstance(body.tool_choice, dict) else None
+
+
+def tool_choice_constraint(body: ChatBody, choice: str) -> dict | None:
+    """The JSON schema "required" and a named function hold the answer to
+    (`forced_tool_calls.tool_choice_schema`), None for the others. The grammar engine that would
+    enforce it is not wired yet, so those choices are a 400 that says so."""
+    if choice not in ("required", "named"):
+        return None
+    raise APIError(400, f"tool_choice={json.dumps(body.tool_choice)} needs the answer constrained to a call, which "
+                        f"needs structured output; this server does not have it yet: use 'auto'", param="tool_choice")
+
+
+def tool_call_parser(body: ChatBody, parsers: ChatParsers, choice: str) -> ToolCallParser | ForcedCallParser | None:
     """The parser reading this request's calls out of the answer; None when tool_choice is "none"."""
     if choice == "none":
         return None
+    if choice in ("required", "named"):
+        return ForcedCallParser(named_function(body))
     return TOOL_CALL_PARSERS[parsers.tool_call_parser](body.tools, limit=None if body.parallel_tool_calls else 1)
 
 

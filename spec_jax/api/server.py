@@ -39,7 +39,8 @@ from starlette.exceptions import HTTPException
 
 from spec_jax.api.chat import ChatTemplate, RequestError
 from spec_jax.api.chat_output import ChatChoiceText, ChatDelta, chat_message
-from spec_jax.api.chat_requests import ChatParsers, check_tools, template_messages, tool_call_parser, tool_choice
+from spec_jax.api.chat_requests import (ChatParsers, check_tools, template_messages, tool_call_parser, tool_choice,
+                                        tool_choice_constraint)
 from spec_jax.api.llm import LLM
 from spec_jax.api.logprobs_format import LogprobsFormat, prompt_logprobs_json
 from spec_jax.api.openai_requests import (APIError, ChatBody, CompletionBody, SamplingFields, body_error,
@@ -161,6 +162,7 @@ def prepare_chat(server: Server, body: ChatBody) -> tuple[SamplingParams, list[i
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     check_tools(body)
     choice = tool_choice(body, server.parsers)
+    tool_choice_constraint(body, choice)  # with structured output, a constraint beside structured_output's
     structured_output(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(server.llm, body, max_tokens)

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from spec_jax.api.forced_tool_calls import ForcedCallParser, tool_choice_schema
 from spec_jax.api.reasoning import ReasoningSplitter, prompt_opens_reasoning, split_reasoning
-from spec_jax.api.tool_parsers import (HermesParser, Qwen3CoderParser, convert_parameter, merge_deltas,
+from spec_jax.api.tool_parsers import (HermesParser, Parsed, Qwen3CoderParser, convert_parameter, merge_deltas,
                                        parse_tool_calls)
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -143,3 +144,26 @@ def test_the_prompt_says_whether_reasoning_is_open():
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+
+
+def test_required_and_named_answers_read_back_as_calls():
+    """tool_choice "required" / named: the constrained JSON answer, fed in pieces, becomes calls."""
+    answer = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "noop", "parameters": {}}]'
+    parser = ForcedCallParser(None, call_id=ids())
+    assert [parser.feed(c) for c in answer] == [Parsed()] * len(answer)  # nothing until it is whole
+    assert merge_deltas(parser.finish().tool_calls) == [call("get_weather", {"city": "Paris"}, 0), call("noop", {}, 1)]
+    parser = ForcedCallParser("get_weather", call_id=ids())
+    parser.feed('{"city": "Rome"}')
+    assert merge_deltas(parser.finish().tool_calls) == [call("get_weather", {"city": "Rome"}, 0)]
+    for named, text in ((None, '[]'), (None, '[{"name": "f"}]'), ("f", "[1]"), (None, "not json")):
+        parser = ForcedCallParser(named)
+        parser.feed(text)
+        assert parser.finish() == Parsed(content=text)
+
+
+def test_the_schemas_tool_choice_holds_the_answer_to():
+    assert tool_choice_schema(TOOLS, "get_weather", True) == TOOLS[0]["function"]["parameters"]
+    schema = tool_choice_schema(TOOLS, None, parallel=False)
+    assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"], ["noop"]]
+    assert "maxItems" not in tool_choice_schema(TOOLS, None, parallel=True)
