@@ -59,6 +59,10 @@ def test_call_tool_result_answer_with_speculation_equal_to_without(agent_server)
                           {"role": "tool", "tool_call_id": call.id, "content": "sunny, 22 C"}]
     ban_the_call = {"logit_bias": {str(ids[CALL_TURN[0]]): -100}}
     second = ask(client, history, **ban_the_call)
+    prompt_ids = second.model_extra["prompt_token_ids"][0]
+    prompt = httpx.post(f"{url}/detokenize", json={"tokens": prompt_ids}).json()["prompt"]
+    assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+            in prompt and "<tool_response>\nsunny, 22 C\n</tool_response>" in prompt)  # the template rendered both
     answer = second.choices[0]
     assert answer.finish_reason == "stop" and not answer.message.tool_calls
     assert (answer.message.model_extra["reasoning_content"], answer.message.content) == (ANSWER_TURN[0],
