@@ -39,7 +39,7 @@ def agent_server(tmp_path_factory):
 def ask(client, messages, speculative=True, **fields):
     extra = {"return_token_ids": True, "speculative": speculative, **fields.pop("extra_body", {})}
     return client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, temperature=0,
-                                          max_tokens=40, extra_body=extra, **fields)
+                                          extra_body=extra, **{"max_tokens": 40, **fields})
 
 
 def test_call_tool_result_answer_with_speculation_equal_to_without(agent_server):
@@ -110,6 +110,20 @@ def test_tool_choice_none_and_thinking_off(agent_server):
     r = ask(client, QUESTION, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
     assert r.message.model_extra.get("reasoning_content") is None and r.message.content is None
     assert r.model_extra["token_ids"][0] == ids[CALL_TURN[2]] and r.message.tool_calls[0].function.name == "get_weather"
+
+
+def test_preserve_thinking_reaches_the_template(agent_server):
+    """An assistant turn before the last user message keeps its reasoning in the prompt only with
+    preserve_thinking (the template's rule, as Qwen3.6's)."""
+    url, ids, client = agent_server
+    history = QUESTION + [{"role": "assistant", "content": "Sunny.", "reasoning_content": "I looked."},
+                          {"role": "user", "content": "And tomorrow?"}]
+
+    def prompt(**kwargs):
+        r = ask(client, history, max_tokens=1, extra_body={"chat_template_kwargs": kwargs})
+        return httpx.post(f"{url}/detokenize", json={"tokens": r.model_extra["prompt_token_ids"][0]}).json()["prompt"]
+
+    assert "I looked." in prompt(preserve_thinking=True) and "I looked." not in prompt()
 
 
 def test_parallel_tool_calls_and_the_refused_choices(agent_server):

@@ -192,3 +192,18 @@ def test_serve_takes_the_model_as_its_argument(monkeypatch, tiny_dir, capsys):
     assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", str(tiny_dir), "--tool-call-parser", "mistral"])
+
+
+def test_tools_need_the_flags_and_a_template_that_renders_them(served):
+    """This server runs without --enable-auto-tool-choice, behind a template that never reads
+    `tools`: tools with the default tool_choice ("auto") ask for the flags; with "none" the tools
+    would never reach the model. Both are a 400 naming the field, not a silent drop."""
+    url, llm, client = served
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice") as e:
+        client.chat.completions.create(model="tiny", messages=hi, tools=tools, max_tokens=2)
+    assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError, match="does not render tools") as e:
+        client.chat.completions.create(model="tiny", messages=hi, tools=tools, tool_choice="none", max_tokens=2)
+    assert e.value.body["param"] == "tools"
