@@ -131,6 +131,13 @@ def test_echo_with_logprobs_as_lm_eval_asks(served):
     offline = [e[t].logprob for t, e in zip(ids[1:], want.prompt_logprobs[1:])]
     np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], offline, rtol=1e-5, atol=1e-5)
     assert lp.text_offset[:2] == [0, len(lp.tokens[0])] and lp.text_offset[len(ids)] == len(TEXT)
+    # as lm-eval sends them: a batch of token-id prompts, each choice echoing its own
+    batch = [ids, ids[:5]]
+    r = client.completions.create(model="tiny", prompt=batch, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    for c, prompt in zip(sorted(r.choices, key=lambda c: c.index), batch):
+        assert len(c.logprobs.tokens) == len(prompt) + 1 and c.logprobs.token_logprobs[0] is None
+        np.testing.assert_allclose(c.logprobs.token_logprobs[1:len(prompt)], offline[:len(prompt) - 1],
+                                   rtol=1e-5, atol=1e-5)
     chunks = list(client.completions.create(model="tiny", prompt=TEXT, max_tokens=3, temperature=0, echo=True,
                                             stream=True))
     assert chunks[0].choices[0].text == TEXT
