@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 
 
@@ -77,6 +78,8 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self.template = env.from_string(source)
+            # the variables it reads: a request's tools reach a template that reads `tools`
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not parse: {e}") from None
         self.specials = {"bos_token": bos_token, "eos_token": eos_token}
@@ -94,10 +97,12 @@ class ChatTemplate:
     def _raise(message: str):
         raise jinja2.TemplateError(message)
 
-    def render(self, messages: list[dict], extra: dict | None = None) -> str:
+    def render(self, messages: list[dict], extra: dict | None = None, continue_final: bool = False) -> str:
         """The prompt text; extra (chat_template_kwargs) may set any variable but `messages`,
-        add_generation_prompt included (True or False). A template is self-contained: one that
-        includes or imports another is refused, as is anything else it fails on."""
+        add_generation_prompt included (True or False). continue_final (vLLM's
+        continue_final_message): the prompt ends with the last message's content, open, for the
+        model to continue it. A template is self-contained: one that includes or imports another
+        is refused, as is anything else it fails on."""
         if "messages" in (extra or {}):
             raise RequestError("chat_template_kwargs may not set messages; send them as messages",
                                "chat_template_kwargs")
@@ -105,8 +110,11 @@ class ChatTemplate:
         if not isinstance(context["add_generation_prompt"], bool):
             raise RequestError(f"add_generation_prompt={context['add_generation_prompt']!r} must be True or False",
                                "add_generation_prompt")
+        if continue_final and context["add_generation_prompt"]:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true: the prompt "
+                               "either continues the last message or opens a new one", "continue_final_message")
         try:
-            return self.template.render(context)
+            text = self.template.render(context)
         except jinja2.TemplateNotFound as e:
             raise RequestError(f"the chat template includes or imports {e.name!r}; a chat template must be "
                                f"self-contained", "chat_template") from None
@@ -115,6 +123,17 @@ class ChatTemplate:
         except Exception as e:  # the template is the caller's code: whatever it raises is a refusal
             raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                                "messages") from None
+        return open_final_message(text, context["messages"][-1]["content"]) if continue_final else text
+
+
+def open_final_message(text: str, content: str) -> str:
+    """The rendered `text` cut right after the last message's `content` (leading and trailing
+    blank space aside), dropping what the template closes the message with."""
+    at = text.rfind(content.strip()) if content.strip() else -1
+    if at < 0:
+        raise RequestError("continue_final_message: the last message's content is not found in the rendered "
+                           "prompt (it must be non-empty text the template writes out)", "continue_final_message")
+    return text[:at + len(content.strip())]
 
 
 class ChatTokenizer:

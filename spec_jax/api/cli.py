@@ -3,7 +3,8 @@
     spec-jax generate --model DIR --prompt "def fib(n):" --max-tokens 64
     spec-jax generate --prompt-token-ids 1,2,3 --temperature 0.8 --seed 1
     spec-jax generate --model DIR --prompt "..." --speculative-config '{"method":"mtp","num_speculative_tokens":2}'
-    spec-jax serve --model DIR --max-num-seqs 8 --port 8000
+    spec-jax serve DIR --max-num-seqs 8 --port 8000 --api-key KEY
+    spec-jax serve DIR --enable-auto-tool-choice --tool-call-parser qwen3_coder --reasoning-parser qwen3
     spec-jax bench --model DIR --input prompts.jsonl --speculative-config '{"method":"ngram"}'
 """
 
@@ -16,6 +17,9 @@ import signal
 import sys
 import threading
 import time
+
+from spec_jax.api.reasoning import REASONING_PARSERS
+from spec_jax.api.tool_parsers import TOOL_CALL_PARSERS
 
 
 # vLLM's engine-argument flags: passed to LLM when given (None: not given).
@@ -76,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run the prompts with speculation off; print both speeds (compilation excluded), "
                           "the speedup and whether greedy output is identical")
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the checkpoint, as vLLM's `vllm serve MODEL` takes it (or give --model)")
     add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=port_number, default=8000)
@@ -86,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Jinja chat template file, for checkpoints whose tokenizer_config.json has none")
     serve.add_argument("--steps-per-chunk", type=int, default=4,
                        help="decode steps per device call between streams, 1 to --max-model-len (default 4)")
+    serve.add_argument("--api-key", default=None,
+                       help="clients of the /v1 routes must send 'Authorization: Bearer KEY' (401 otherwise)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="read tool calls out of chat answers (tool_choice 'auto'); needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                       help="the tool-call format: qwen3_coder (Qwen3.5/3.6, Qwen3-Coder) or hermes (Qwen2.5/3)")
+    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="qwen3: the text inside <think>...</think> goes to reasoning_content, not content")
     bench = sub.add_parser("bench", help="batch eval: a JSONL of prompts through the jitted engine, with metrics")
     add_model_args(bench)
     bench.add_argument("--input", required=True,
@@ -215,8 +229,14 @@ def compare(llm, outs, run, *, greedy: bool) -> None:
 def serve(args) -> None:
     import uvicorn
 
+    from spec_jax.api.chat_requests import ChatParsers
     from spec_jax.api.server import Server, build_app
 
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice, as {args.model_tag!r} and as --model {args.model!r}")
+    args.model = args.model_tag or args.model
+    parsers = ChatParsers(tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          reasoning_parser=args.reasoning_parser)  # checked before the model loads
     if args.enable_prefix_caching is None:  # on by default in the server, as in vLLM
         args.enable_prefix_caching = True
     llm = load_llm(args)
@@ -224,7 +244,7 @@ def serve(args) -> None:
         raise ValueError(f"--steps-per-chunk {args.steps_per_chunk} must be 1 to {llm.max_model_len} (the "
                          f"--max-model-len: no row runs more steps)")
     server = Server(llm, served_model_name=args.served_model_name, chat_template=args.chat_template,
-                    steps_per_chunk=args.steps_per_chunk)
+                    steps_per_chunk=args.steps_per_chunk, parsers=parsers, api_key=args.api_key)
     print(f"serving {server.name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(build_app(server), host=args.host, port=args.port,
                 timeout_graceful_shutdown=args.timeout_graceful_shutdown)

@@ -45,6 +45,7 @@ IGNORED = {
     "limit_mm_per_prompt": "the models here read text only",
     "mm_processor_kwargs": "the models here read text only",
     "max_logprobs": "a request may ask for up to 20 logprobs (vLLM's default), a fixed cap",
+    "served_model_name": "the offline API serves no name (spec-jax serve has --served-model-name)",
 }
 
 # Parallelism vLLM offers over several devices that is not built here: only 1 is accepted
@@ -55,7 +56,30 @@ SINGLE_DEVICE = {
 }
 
 # Values of vLLM arguments that are accepted because they ask for what this engine does anyway.
-DEFAULTS_ONLY = {"kv_cache_dtype": ("auto",), "enable_lora": (False,)}
+DEFAULTS_ONLY = {"kv_cache_dtype": ("auto",), "enable_lora": (False,), "generation_config": ("auto",),
+                 "enable_expert_parallel": (False,), "enable_sleep_mode": (False,),
+                 "enable_prompt_embeds": (False,), "calculate_kv_scales": (False,), "model_impl": ("auto",)}
+
+# vLLM arguments that ask for a feature not built here: refused by name unless unset (None, or an
+# empty collection), with what is missing.
+NOT_BUILT = {
+    "structured_outputs_config": "structured output is not built yet",
+    "guided_decoding_backend": "structured output is not built yet",
+    "reasoning_parser": "reasoning is split by the server (spec-jax serve --reasoning-parser), not by LLM",
+    "hf_overrides": "the checkpoint's config.json is read as written",
+    "override_generation_config": "sampling defaults come from the checkpoint's generation_config.json",
+    "max_loras": "LoRA adapters are not supported", "max_lora_rank": "LoRA adapters are not supported",
+    "max_cpu_loras": "LoRA adapters are not supported",
+    "kv_transfer_config": "caches are not transferred between engines",
+    "kv_events_config": "cache events are not published",
+    "logits_processors": "custom logits processors are not supported",
+    "task": "only text generation is served", "runner": "only text generation is served",
+    "convert": "only text generation is served", "pooler_config": "only text generation is served",
+    "override_pooler_config": "only text generation is served",
+    "allowed_local_media_path": "the models here read text only",
+    "speculative_model": "give the drafter as speculative_config's model",
+    "num_speculative_tokens": "give it as speculative_config's num_speculative_tokens",
+}
 
 # vLLM's `quantization` values: "fp8" quantizes an unquantized checkpoint's projections to FP8 as it
 # loads (vLLM's dynamic FP8); the methods of pre-quantized checkpoints must name what the checkpoint
@@ -96,6 +120,9 @@ def resolve(kwargs: dict) -> EngineArgs:
             if value not in (None, *DEFAULTS_ONLY[name]):
                 accepted = " or ".join(repr(v) for v in DEFAULTS_ONLY[name])
                 raise ValueError(f"{name}={value!r} is not supported; accepted: {accepted}")
+        elif name in NOT_BUILT:
+            if value is not None and value != {} and value != [] and value != ():
+                raise ValueError(f"{name}={value!r} is not supported: {NOT_BUILT[name]}")
         elif name == "gpu_memory_utilization":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"gpu_memory_utilization={value!r} must be a fraction in (0, 1]")

@@ -362,16 +362,20 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool = True, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of
         them, rendered with the checkpoint's chat template (or `chat_template`, a Jinja source or
-        file), then generated. chat_template_kwargs reach the template (Qwen's enable_thinking)."""
+        file), then generated. chat_template_kwargs reach the template (Qwen's enable_thinking), as
+        do `tools`; continue_final_message: the prompt ends inside the last message, for the model
+        to continue it (add_generation_prompt must then be False)."""
         each = conversations(messages)
         template = self._chat_template(chat_template)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict of template variables, got {chat_template_kwargs!r}")
-        extra = {"add_generation_prompt": add_generation_prompt, **(chat_template_kwargs or {})}
-        texts = [template.render(c, extra) for c in each]
+        extra = {"add_generation_prompt": add_generation_prompt, **({"tools": tools} if tools is not None else {}),
+                 **(chat_template_kwargs or {})}
+        texts = [template.render(c, extra, continue_final_message) for c in each]
         return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
 
     @functools.cached_property

@@ -29,9 +29,10 @@ class APIError(Exception):
 
 
 class SamplingFields(BaseModel):
-    """The fields completions and chat share. Unknown fields are ignored, as OpenAI's API does."""
+    """The fields completions and chat share. Fields beyond these are kept aside (`model_extra`) for
+    `refuse_unknown` and `structured_output` to answer."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)  # "5" or true for a count is an error, not 5 or 1
+    model_config = ConfigDict(extra="allow", strict=True)  # "5" or true for a count is an error, not 5 or 1
 
     model: str | None = None
     temperature: float = 1.0
@@ -54,6 +55,10 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    response_format: dict | None = None
     user: str | None = None
 
 
@@ -63,7 +68,6 @@ class CompletionBody(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
 
 
 class ChatBody(SamplingFields):
@@ -73,8 +77,11 @@ class ChatBody(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list | None = None
-    response_format: dict | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def body_error(errors: list[dict]) -> APIError:
@@ -100,50 +107,59 @@ def body_error(errors: list[dict]) -> APIError:
     return APIError(400, f"{'.'.join(path)}: {first.get('msg', 'invalid value')}", param=".".join(path))
 
 
-def refuse_unsupported(body: SamplingFields) -> None:
-    """Fields this server cannot honour, when set to anything but their neutral value."""
-    unsupported = {"echo": bool(getattr(body, "echo", False)),
-                   "suffix": getattr(body, "suffix", None) is not None,
-                   "tools": bool(getattr(body, "tools", None)),
-                   "response_format": (getattr(body, "response_format", None) or {}).get("type", "text") != "text"}
-    for name, is_set in unsupported.items():
-        if is_set:
-            raise APIError(400, f"{name} is not supported by this server; leave it unset", param=name)
+# Request fields (vLLM's extensions and OpenAI's) this server does not implement, with the neutral
+# value each is accepted at; any other value is a 400 naming the field, never silently dropped.
+NOT_IMPLEMENTED = {
+    "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+    "spaces_between_special_tokens": True, "prompt_embeds": None, "priority": 0, "request_id": None,
+    "logits_processors": None, "return_tokens_as_token_ids": False, "cache_salt": None, "kv_transfer_params": None,
+    "vllm_xargs": None, "mm_processor_kwargs": None, "documents": None, "chat_template": None,
+    "media_io_kwargs": None, "functions": None, "function_call": None, "reasoning_effort": None, "audio": None,
+    "modalities": None, "prediction": None, "service_tier": None, "store": False, "metadata": None,
+    "web_search_options": None, "verbosity": None, "suffix": None,
+    "guided_whitespace_pattern": None,
+}
+# Per endpoint: vLLM's chat `echo` (repeat the last message) and `add_special_tokens` defaults.
+NOT_IMPLEMENTED_CHAT = {"echo": False, "add_special_tokens": False}
+NOT_IMPLEMENTED_COMPLETIONS = {"add_special_tokens": True}
+
+# Structured output, in every form vLLM reads: refused by name until the grammar engine is wired
+# in `structured_output` below.
+STRUCTURED_OUTPUT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                            "guided_decoding_backend")
 
 
-TOOL_FORM = '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
-CALL_FORM = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
+def refuse_unknown(body: SamplingFields) -> None:
+    """Every field the body holds beyond the declared ones is a 400 naming it: those this server
+    does not implement (set to anything but their neutral value), and those it does not know."""
+    extra = dict(body.model_extra or {})
+    neutral = {**NOT_IMPLEMENTED, **(NOT_IMPLEMENTED_CHAT if isinstance(body, ChatBody) else
+                                     NOT_IMPLEMENTED_COMPLETIONS)}
+    for name, value in extra.items():
+        if name in STRUCTURED_OUTPUT_FIELDS:
+            continue  # `structured_output` answers for these
+        if name in neutral:
+            if value != neutral[name]:
+                raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by this server; leave it "
+                                    f"unset (or {json.dumps(neutral[name])})", param=name)
+        else:
+            raise APIError(400, f"unrecognized request field {name!r}: this server does not know it", param=name)
 
 
-def check_tools(body: ChatBody) -> None:
-    """What a chat template may loop over besides messages, in OpenAI's shapes: chat_template_kwargs'
-    `tools` a list of tool objects, each message's `tool_calls` a list of call objects. Anything
-    else is a 400 naming the field."""
-    tools = (body.chat_template_kwargs or {}).get("tools")
-    if tools is not None:
-        check_functions(tools, "chat_template_kwargs.tools", "chat_template_kwargs", TOOL_FORM, calls=False)
-    for i, message in enumerate(body.messages):
-        if message.get("tool_calls") is not None:
-            check_functions(message["tool_calls"], f"messages[{i}].tool_calls", "messages", CALL_FORM, calls=True)
-
-
-def check_functions(items, where: str, param: str, form: str, *, calls: bool) -> None:
-    """items must be a list of objects `form`, each with a `function` object that has a string
-    name (and, for calls, arguments as JSON text or an object); else a 400 naming the part at
-    fault, under `param`."""
-    def refuse(path: str, rule: str, value):
-        raise APIError(400, f"{path} must be {rule}, got {json.dumps(value)[:80]}", param=param)
-
-    if not isinstance(items, list):
-        refuse(where, f"a list of {form}", items)
-    for j, item in enumerate(items):
-        if not isinstance(item, dict):
-            refuse(f"{where}[{j}]", f"an object {form}", item)
-        function = item.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            refuse(f"{where}[{j}].function", "an object with a string name", function)
-        if calls and not isinstance(function.get("arguments", ""), str | dict):
-            refuse(f"{where}[{j}].function.arguments", "JSON text or an object", function["arguments"])
+def structured_output(body: SamplingFields) -> None:
+    """The request's structured-output constraint: response_format json_object / json_schema,
+    `structured_outputs`, vLLM's legacy guided_* fields. Not built yet: any of them set is a 400
+    naming it, so a constraint is never silently dropped. (The place to call the grammar
+    engine's translation of these fields, `spec_jax.api.structured_requests`.)"""
+    extra = body.model_extra or {}
+    for name in STRUCTURED_OUTPUT_FIELDS:
+        if extra.get(name) is not None:
+            raise APIError(400, f"{name} is not supported by this server yet (structured output is not built); "
+                                f"leave it unset", param=name)
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise APIError(400, f"response_format type {kind!r} is not supported by this server yet (structured output "
+                            f"is not built); leave it unset or 'text'", param="response_format")
 
 
 FLOAT32 = np.finfo(np.float32)
@@ -186,7 +202,9 @@ def sampling_params(llm: LLM, body: SamplingFields, max_tokens: int | None) -> S
                                 stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                 repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias,
-                                bad_words=body.bad_words, logprobs=logprobs, best_of=getattr(body, "best_of", None),
+                                bad_words=body.bad_words, allowed_token_ids=body.allowed_token_ids,
+                                logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
+                                best_of=getattr(body, "best_of", None),
                                 skip_special_tokens=body.skip_special_tokens, speculative=body.speculative)
         llm.check_params(params)
         return params

@@ -5,10 +5,17 @@
          -d '{"model": "DIR", "prompt": "def f(x):", "max_tokens": 16, "temperature": 0}'
 
 Endpoints: /v1/completions, /v1/chat/completions (both stream with server-sent events ending in
-`data: [DONE]`), /v1/models, /health, /metrics (Prometheus text). Extensions beyond OpenAI's
-fields, spelled like vLLM's: top_k, min_p, repetition_penalty, min_tokens, bad_words, stop_token_ids,
-ignore_eos, skip_special_tokens, return_token_ids, chat_template_kwargs, and the per-request
-`speculative` opt-out. Penalties, logit_bias and logprobs hold with speculation on, as offline.
+`data: [DONE]`), /v1/models, /health, /version, /tokenize, /detokenize, /metrics (Prometheus
+text, vLLM's names). With --api-key, the /v1 routes want `Authorization: Bearer KEY` (401
+otherwise); the others stay open, as in vLLM. Extensions beyond OpenAI's fields, spelled like
+vLLM's: top_k, min_p, repetition_penalty, min_tokens, bad_words, allowed_token_ids,
+stop_token_ids, ignore_eos, skip_special_tokens, return_token_ids, truncate_prompt_tokens,
+prompt_logprobs, chat_template_kwargs, add_generation_prompt, continue_final_message, and the
+per-request `speculative` opt-out. Penalties, logit_bias and logprobs hold with speculation on, as
+offline. A field the server does not implement is a 400 naming it (`openai_requests.refuse_unknown`).
+
+Chat answers are split into reasoning, content and tool calls by the parsers the server was
+started with (`chat_requests.ChatParsers`, `chat_output`).
 
 Chat prompts are rendered from the checkpoint's own template (`chat.ChatTemplate`: tokenizer_config.json's
 `chat_template`, or chat_template.jinja beside it, or `--chat-template FILE`). A checkpoint without one
@@ -31,26 +38,35 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from spec_jax.api.chat import ChatTemplate, RequestError
+from spec_jax.api.chat_output import ChatChoiceText, ChatDelta, chat_message
+from spec_jax.api.chat_requests import (ChatParsers, check_tools, template_messages, tool_call_parser, tool_choice,
+                                        tool_choice_constraint)
 from spec_jax.api.llm import LLM
-from spec_jax.api.openai_requests import (APIError, ChatBody, CompletionBody, SamplingFields, body_error, check_tools,
-                                          refuse_unsupported, sampling_params, stop_strings)
+from spec_jax.api.logprobs_format import LogprobsFormat, prompt_logprobs_json
+from spec_jax.api.openai_requests import (APIError, ChatBody, CompletionBody, SamplingFields, body_error,
+                                          refuse_unknown, sampling_params, stop_strings, structured_output)
+from spec_jax.api.prometheus import prometheus_text
+from spec_jax.api.reasoning import prompt_opens_reasoning
 from spec_jax.api.scheduler import Scheduler, Update
+from spec_jax.api.utility_routes import add_utility_routes, check_api_key
 from spec_jax.engine.detokenize import TextDelta
-from spec_jax.engine.params import Logprob, SamplingParams, fan_out
+from spec_jax.engine.params import SamplingParams, fan_out
 
 
 # ----------------------------------------------------------------------------- the app
 
 
 class Server:
-    """What the endpoints share: the model, its scheduler, its served name and chat template."""
+    """What the endpoints share: the model, its scheduler, its served name and chat template, the
+    parsers chat answers go through, and the API key clients must send (None: no key)."""
 
     def __init__(self, llm: LLM, *, served_model_name: str | None = None, chat_template: str | None = None,
-                 steps_per_chunk: int = 4):
+                 steps_per_chunk: int = 4, parsers: ChatParsers = ChatParsers(), api_key: str | None = None):
         self.llm = llm
         self.name = served_model_name or str(llm.model_path)
         self.scheduler = Scheduler(llm.engine, steps_per_chunk=steps_per_chunk)
         self.chat_template = ChatTemplate.of_checkpoint(llm.model_path, chat_template)
+        self.parsers, self.api_key = parsers, api_key
         self.created = int(time.time())
 
     def check_model(self, name: str | None) -> None:
@@ -58,9 +74,16 @@ class Server:
             raise APIError(404, f"The model {name!r} does not exist; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
-    def encode(self, prompt, param: str) -> list[int]:
-        """Text or token ids -> checked token ids."""
+    def encode(self, prompt, param: str, truncate: int | None = None) -> list[int]:
+        """Text or token ids -> checked token ids; truncate (vLLM's truncate_prompt_tokens): keep
+        only the last that many (-1: max_model_len - 1, the most that leaves room for a token)."""
         try:
+            if truncate is not None:
+                if not (truncate == -1 or truncate >= 1):
+                    raise APIError(400, f"truncate_prompt_tokens={truncate} must be a positive number of tokens or "
+                                        f"-1 (as many as fit)", param="truncate_prompt_tokens")
+                keep = self.llm.max_model_len - 1 if truncate == -1 else truncate
+                prompt = (self.llm.engine.encode(prompt, param) if isinstance(prompt, str) else list(prompt))[-keep:]
             return self.llm.tokenize(prompt, param)
         except (TypeError, ValueError) as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) else None
@@ -118,35 +141,48 @@ class Server:
 def prepare_completion(server: Server, body: CompletionBody) -> tuple[SamplingParams, list[list[int]]]:
     """A completion request's checked SamplingParams and prompts' token ids (with room for
     max_tokens): long texts take seconds to tokenize, so it runs in a worker thread."""
+    structured_output(body)
     params = sampling_params(server.llm, body, body.max_tokens)
-    prompts = completion_prompts(server, body.prompt, params.n)
+    prompts = completion_prompts(server, body.prompt, params.n, body.truncate_prompt_tokens)
     for ids in prompts:
         server.check_room(ids, body.max_tokens, "max_tokens")
     return params, prompts
 
 
-def prepare_chat(server: Server, body: ChatBody) -> tuple[SamplingParams, list[int]]:
-    """A chat request's checked SamplingParams and rendered prompt's token ids (with room for
-    max_tokens); like `prepare_completion`, it runs in a worker thread."""
-    if server.chat_template is None:
+def prepare_chat(server: Server, body: ChatBody) -> tuple[SamplingParams, list[int], object]:
+    """A chat request's checked SamplingParams, rendered prompt's token ids (with room for
+    max_tokens), and a maker of each choice's `ChatChoiceText`; like `prepare_completion`, it runs
+    in a worker thread."""
+    template = server.chat_template
+    if template is None:
         raise APIError(400, f"{server.llm.model_path} has no chat template (no chat_template in its "
                             f"tokenizer_config.json, no chat_template.jinja); start the server with "
                             f"--chat-template FILE, or use /v1/completions", param="messages")
     if not body.messages or any(not isinstance(m.get("role"), str) for m in body.messages):
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     check_tools(body)
+    choice = tool_choice(body, server.parsers)
+    tool_choice_constraint(body, choice)  # with structured output, a constraint beside structured_output's
+    structured_output(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(server.llm, body, max_tokens)
+    extra = {"add_generation_prompt": body.add_generation_prompt, **(body.chat_template_kwargs or {})}
+    if body.tools is not None:
+        extra["tools"] = body.tools
+    if extra.get("tools") and "tools" not in template.variables:
+        raise APIError(400, "this model's chat template does not render tools, so the model would never see them; "
+                            "start the server with a --chat-template that does, or leave tools unset", param="tools")
     try:
-        prompt = server.chat_template.render(body.messages, body.chat_template_kwargs)
+        prompt = template.render(template_messages(body.messages), extra, body.continue_final_message)
     except RequestError as e:
         raise APIError(400, str(e), param=e.param) from None
-    ids = server.encode(prompt, "messages")
+    ids = server.encode(prompt, "messages", body.truncate_prompt_tokens)
     server.check_room(ids, max_tokens, "max_tokens")
-    return params, ids
+    reasoning = prompt_opens_reasoning(prompt) if server.parsers.reasoning_parser else None
+    return params, ids, lambda: ChatChoiceText(reasoning, tool_call_parser(body, server.parsers, choice))
 
 
-def completion_prompts(server: Server, prompt, n: int) -> list[list[int]]:
+def completion_prompts(server: Server, prompt, n: int, truncate: int | None) -> list[list[int]]:
     """OpenAI's prompt forms: a string, token ids, or a list of either; at most MAX_ROWS rows
     with each prompt's n choices."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -156,7 +192,7 @@ def completion_prompts(server: Server, prompt, n: int) -> list[list[int]]:
     if len(prompt) * n > MAX_ROWS:
         raise APIError(400, f"{len(prompt)} prompts x n={n} choices = {len(prompt) * n} completions; at most "
                             f"{MAX_ROWS} are accepted per request", param="n" if n > 1 else "prompt")
-    return [server.encode(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [server.encode(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]", truncate) for i, p in enumerate(prompt)]
 
 
 def usage(prompts: list[list[int]], generated: list[list[int]]) -> dict:
@@ -188,47 +224,38 @@ async def unless_client_leaves(work, client_gone) -> bool:
     return True
 
 
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this floor instead
+def prompt_entries(server: Server, body: SamplingFields, prompts: list[list[int]]) -> list[list] | None:
+    """Each prompt's logprob entries (None first), when the request shows them: vLLM's
+    prompt_logprobs, or completions' echo with logprobs. The target scores the whole prompt once."""
+    echoed = getattr(body, "echo", False) and body.logprobs is not None
+    if body.prompt_logprobs is None and not echoed:
+        return None
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs are given in whole responses only, not with stream=true",
+                       param="prompt_logprobs")
+    num = max(body.prompt_logprobs or 0, body.logprobs or 0 if echoed else 0)
+    params = SamplingParams(prompt_logprobs=num, max_tokens=1)
+    return [server.llm.engine.prompt_logprobs(ids, params) for ids in prompts]
 
 
-class LogprobsFormat:
-    """A choice's logprobs in OpenAI's shapes: chat's {"content": [{token, logprob, bytes,
-    top_logprobs}]}, or completions' {tokens, token_logprobs, top_logprobs, text_offset}."""
-
-    def __init__(self, server: Server, chat: bool, num: int):
-        self.tokenizer, self.chat, self.num = server.llm.tokenizer, chat, num
-
-    def text(self, token: int) -> str:
-        return self.tokenizer.decode([token], False) if self.tokenizer is not None else f"token_id:{token}"
-
-    def span(self, token_ids: list[int]) -> int:
-        """Characters the tokens' texts take: where the next token's text_offset starts after them."""
-        return sum(len(self.text(t)) for t in token_ids)
-
-    def __call__(self, token_ids: list[int], entries: list[dict[int, Logprob]], offset: int = 0) -> dict:
-        """token_ids with their `logprob_entries`; offset: where the first token's text starts in
-        the completion (completions' text_offset)."""
-        value = lambda entry: max(entry.logprob, LOGPROB_FLOOR)  # noqa: E731
-        if self.chat:
-            def item(token, entry):
-                text = self.text(token)
-                return {"token": text, "logprob": value(entry), "bytes": list(text.encode())}
-
-            return {"content": [{**item(t, e[t]), "top_logprobs": [item(u, x) for u, x in sorted(
-                e.items(), key=lambda kv: kv[1].rank)[:self.num]]} for t, e in zip(token_ids, entries)]}
-        tokens = [self.text(t) for t in token_ids]
-        offsets = [offset + sum(map(len, tokens[:j])) for j in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [value(e[t]) for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{self.text(u): value(x) for u, x in e.items()} for e in entries],
-                "text_offset": offsets}
+def echo_texts(server: Server, body: SamplingFields, prompts: list[list[int]]) -> list[str] | None:
+    """completions' echo: each prompt's text, which its choices' text starts with."""
+    if not getattr(body, "echo", False):
+        return None
+    if server.llm.tokenizer is None:
+        raise APIError(400, "echo needs the model's tokenizer to write the prompt's text; this model has none",
+                       param="echo")
+    return [server.llm.tokenizer.decode(ids, False) for ids in prompts]
 
 
 async def complete(server: Server, body: SamplingFields, prompts: list[list[int]], params: SamplingParams,
-                   chat: bool, client_gone):
+                   client_gone, chat_text=None, scored=None):
     """Both endpoints' response: one JSON body, or a stream of OpenAI chunks. A request's n
     choices per prompt run as rows (`fan_out`); choice index = prompt index x n + i, as OpenAI
-    numbers them. client_gone(): whether the client disconnected (a non-streaming request stops
-    then; a stream stops when its next write fails)."""
+    numbers them. chat_text: for chat, the maker of each choice's `ChatChoiceText`; scored: the
+    prompts' logprob entries (`prompt_entries`). client_gone(): whether the client disconnected
+    (a non-streaming request stops then; a stream stops when its next write fails)."""
+    chat = chat_text is not None
     stops = stop_strings(body)
     rows = len(prompts) * params.n
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -236,23 +263,35 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
             "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": server.name}
     generated: list[list[int]] = [[] for _ in range(rows)]
-    logprobs = None if params.logprobs is None else LogprobsFormat(server, chat, params.logprobs)
+    logprobs = None if params.logprobs is None else LogprobsFormat(server.llm.tokenizer, chat, params.logprobs)
+    echoes = None if chat else await asyncio.to_thread(echo_texts, server, body, prompts)
+    texts = [chat_text() for _ in range(rows)] if chat else None
+    prompt_of = [i // params.n for i in range(rows)]
 
-    def choice(i: int, text: str, ids: list[int], reason: str | None, final_body: bool, entries, offset=0) -> dict:
+    def reason_of(i: int, reason: str | None) -> str | None:
+        return "tool_calls" if chat and reason == "stop" and texts[i].called else reason
+
+    def echoed(i: int) -> dict:
+        """The first piece of an echoing choice: its prompt's text (and the prompt's logprobs)."""
+        ids = prompts[prompt_of[i]]
+        return {"index": i, "text": echoes[prompt_of[i]], "finish_reason": None,
+                "logprobs": logprobs(ids, scored[prompt_of[i]]) if logprobs else None}
+
+    def choice(i: int, text, ids: list[int], reason: str | None, final_body: bool, entries, offset=0) -> dict:
         if chat and final_body:
-            content = {"message": {"role": "assistant", "content": text}}
+            content = {"message": chat_message(text)}
         elif chat:
-            content = {"delta": {"content": text} if text else {}}
+            content = {"delta": text.stream_fields()}
         else:
             content = {"text": text}
         out = {"index": i, **content, "logprobs": logprobs(ids, entries, offset) if logprobs else None,
-               "finish_reason": reason}
+               "finish_reason": reason_of(i, reason)}
         if body.return_token_ids:
             out["token_ids"] = ids
         return out
 
     if not body.stream:
-        texts = [""] * rows
+        parts = [ChatDelta() if chat else "" for _ in range(rows)]
         reasons: list[str | None] = [None] * rows
         entries: list[list] = [[] for _ in range(rows)]
 
@@ -260,16 +299,30 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
             async for i, delta, update in server.choices(prompts, params, stops):
                 if update.error:
                     raise APIError(500, f"generation failed: {update.error}", type="server_error")
-                texts[i] += delta
+                if chat:
+                    parts[i].add(texts[i].feed(delta))
+                    if update.finish_reason is not None:
+                        parts[i].add(texts[i].finish())
+                else:
+                    parts[i] += delta
                 generated[i] += update.token_ids
                 entries[i] += update.logprobs or []
                 reasons[i] = update.finish_reason
 
         if not await unless_client_leaves(collect(), client_gone):
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        out = {**head, "choices": [choice(i, texts[i], generated[i], reasons[i], True, entries[i])
-                                   for i in range(rows)],
-               "usage": usage(prompts, generated)}
+        choices = [choice(i, parts[i], generated[i], reasons[i], True, entries[i]) for i in range(rows)]
+        for i, c in enumerate(choices):
+            if echoes is not None:
+                ids = prompts[prompt_of[i]]
+                c["text"] = echoes[prompt_of[i]] + c["text"]
+                c["logprobs"] = logprobs(ids + generated[i], scored[prompt_of[i]] + entries[i]) if logprobs else None
+            if scored is not None and body.prompt_logprobs is not None and not chat:
+                c["prompt_logprobs"] = prompt_logprobs_json(prompts[prompt_of[i]], scored[prompt_of[i]],
+                                                            body.prompt_logprobs)
+        out = {**head, "choices": choices, "usage": usage(prompts, generated)}
+        if chat and scored is not None:
+            out["prompt_logprobs"] = prompt_logprobs_json(prompts[0], scored[0], body.prompt_logprobs)
         if body.return_token_ids:
             out["prompt_token_ids"] = prompts
         return JSONResponse(out)
@@ -280,13 +333,22 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
                 yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
         offsets = [0] * rows
+        if echoes is not None:
+            for i in range(rows):
+                yield sse({**head, "choices": [echoed(i)]})
+                offsets[i] = len(echoes[prompt_of[i]])
         async for i, delta, update in server.choices(prompts, params, stops):
             if update.error:
                 yield sse(APIError(500, f"generation failed: {update.error}", type="server_error").body())
                 break
             ids, reason = update.token_ids, update.finish_reason
             generated[i] += ids
-            if delta or reason is not None or ((body.return_token_ids or logprobs) and ids):
+            if chat:
+                delta = texts[i].feed(delta)
+                if reason is not None:
+                    delta.add(texts[i].finish())
+            said = bool(delta.stream_fields()) if chat else bool(delta)
+            if said or reason is not None or ((body.return_token_ids or logprobs) and ids):
                 yield sse({**head, "choices": [choice(i, delta, ids, reason, False, update.logprobs or [],
                                                       offsets[i])]})
             offsets[i] += logprobs.span(ids) if logprobs else 0  # token texts, as the whole body counts them
@@ -295,39 +357,6 @@ async def complete(server: Server, body: SamplingFields, prompts: list[list[int]
         yield sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def prometheus_text(stats: dict) -> str:
-    """The scheduler's counters in Prometheus' text format (speculation: finished requests)."""
-    drafts, drafted, accepted = (stats.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
-    lines = []
-
-    def metric(name, kind, help_text, samples):
-        lines.extend([f"# HELP spec_jax_{name} {help_text}", f"# TYPE spec_jax_{name} {kind}"])
-        lines.extend(f"spec_jax_{name}{labels} {value}" for labels, value in samples)
-
-    reasons = ("stop", "length", "abort", "error")
-    metric("requests_total", "counter", "Finished requests by finish reason.",
-           [(f'{{finish_reason="{r}"}}', stats.get(f"requests_{r}", 0)) for r in reasons])
-    metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", stats.get("prompt_tokens", 0))])
-    metric("generation_tokens_total", "counter", "Tokens generated.", [("", stats.get("generation_tokens", 0))])
-    metric("spec_decode_num_drafts_total", "counter", "Steps that verified at least one draft.", [("", drafts)])
-    metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.", [("", drafted)])
-    metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", [("", accepted)])
-    metric("spec_decode_num_accepted_tokens_per_pos_total", "counter", "Accepted drafts by draft position.",
-           [(f'{{position="{i}"}}', a) for i, a in enumerate(stats["accepted_per_position"])])
-    metric("spec_decode_acceptance_rate", "gauge", "Accepted / proposed draft tokens.",
-           [("", accepted / drafted if drafted else 0.0)])
-    metric("spec_decode_mean_acceptance_length", "gauge", "1 + accepted / drafting steps.",
-           [("", 1 + accepted / drafts if drafts else 1.0)])
-    if "prefix_cache_queries" in stats:
-        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-               [("", stats["prefix_cache_queries"])])
-        metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-               [("", stats["prefix_cache_hits"])])
-    metric("num_requests_running", "gauge", "Requests in a batch slot.", [("", stats["running"])])
-    metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", [("", stats["waiting"])])
-    return "\n".join(lines) + "\n"
 
 
 def build_app(server: Server) -> FastAPI:
@@ -343,6 +372,7 @@ def build_app(server: Server) -> FastAPI:
             await asyncio.to_thread(server.scheduler.shutdown)
 
     app = FastAPI(title="spec_jax", lifespan=lifespan)
+    check_api_key(app, server.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -368,21 +398,24 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(server.scheduler.stats()),
+        return PlainTextResponse(prometheus_text(server.scheduler.stats(), server.name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         server.check_model(body.model)
-        refuse_unsupported(body)
+        refuse_unknown(body)
         params, prompts = await asyncio.to_thread(prepare_completion, server, body)
-        return await complete(server, body, prompts, params, chat=False, client_gone=request.is_disconnected)
+        scored = await asyncio.to_thread(prompt_entries, server, body, prompts)
+        return await complete(server, body, prompts, params, request.is_disconnected, scored=scored)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         server.check_model(body.model)
-        refuse_unsupported(body)
-        params, ids = await asyncio.to_thread(prepare_chat, server, body)
-        return await complete(server, body, [ids], params, chat=True, client_gone=request.is_disconnected)
+        refuse_unknown(body)
+        params, ids, chat_text = await asyncio.to_thread(prepare_chat, server, body)
+        scored = await asyncio.to_thread(prompt_entries, server, body, [ids])
+        return await complete(server, body, [ids], params, request.is_disconnected, chat_text, scored)
 
+    add_utility_routes(app, server)
     return app

@@ -5,6 +5,7 @@ checkpoint's generation defaults."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -19,6 +20,27 @@ log = logging.getLogger("spec_jax")
 # than silently ignored.
 NOT_YET = {"logits_processors": None, "truncate_prompt_tokens": None}
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# vLLM SamplingParams keywords with no field here: refused by name (ValueError saying why), never a
+# bare TypeError; a keyword vLLM does not have either is a TypeError naming it.
+NOT_FIELDS = {
+    "structured_outputs": "structured output (a grammar constraining the output) is not built yet",
+    "guided_decoding": "structured output (a grammar constraining the output) is not built yet",
+    "output_kind": "LLM.generate returns whole outputs; stream with LLM.generate_stream or the server",
+    "skip_reading_prefix_cache": "a prefix-cache hit gives bitwise the same output, so there is nothing to skip",
+    "flat_logprobs": "logprobs are returned as vLLM's lists of per-token dicts",
+}
+
+
+def check_keywords(cls, kwargs: dict) -> None:
+    """A keyword that is no field of `cls`: ValueError when vLLM has it (`NOT_FIELDS` says why it
+    is not here), else a TypeError naming it and the field it most resembles."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for name in kwargs.keys() - fields:
+        if name in NOT_FIELDS:
+            raise ValueError(f"SamplingParams({name}=...) is vLLM's but not supported here: {NOT_FIELDS[name]}")
+        close = difflib.get_close_matches(name, sorted(fields), n=1)
+        raise TypeError(f"SamplingParams got an unexpected keyword argument {name!r}"
+                        + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
 @dataclasses.dataclass
@@ -66,6 +88,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     extra_args: dict | None = None
     speculative: bool = True  # spec_jax extension: False opts this request out of drafting
+
+    def __new__(cls, *args, **kwargs):
+        """Keywords are checked before the dataclass's own __init__ sees them (`check_keywords`)."""
+        check_keywords(cls, kwargs)
+        return super().__new__(cls)
 
     def __post_init__(self):
         """Refuse, naming the field, what is not of the field's type or range (nothing is

@@ -62,13 +62,16 @@ def metrics(url) -> dict[str, float]:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
+    """Each sample under its name and labels, the model_name label (on every sample) left out:
+    vLLM's names (`vllm:...`) and spec_jax's own (`spec_jax_...`)."""
     out = {}
     for line in text.splitlines():
         if line.startswith("#"):
-            assert re.fullmatch(r"# (HELP|TYPE) spec_jax_\w+ .+", line), line
+            assert re.fullmatch(r"# (HELP|TYPE) (vllm:|spec_jax_)\w+ .+", line), line
             continue
-        name, value = re.fullmatch(r"(spec_jax_\w+(?:\{\w+=\"\w+\"\})?) (\S+)", line).groups()
-        out[name] = float(value)
+        name, labels, value = re.fullmatch(r"((?:vllm:|spec_jax_)\w+)\{model_name=\"[^\"]*\"(,\w+=\"\w+\")?\} (\S+)",
+                                           line).groups()
+        out[name + (f"{{{labels[1:]}}}" if labels else "")] = float(value)
     return out
 
 
@@ -198,16 +201,18 @@ def test_sixteen_concurrent_streaming_clients(served):
     [t.join(timeout=300) for t in threads]
     assert got == [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in ref]
     after = metrics(url)
-    finished = sum(after[f'spec_jax_requests_total{{finish_reason="{r}"}}'] for r in ("stop", "length"))
-    assert finished - sum(before[f'spec_jax_requests_total{{finish_reason="{r}"}}'] for r in ("stop", "length")) == 16
-    generated = after["spec_jax_generation_tokens_total"] - before["spec_jax_generation_tokens_total"]
+    def finished(m):
+        return sum(m[f'vllm:request_success_total{{finished_reason="{r}"}}'] for r in ("stop", "length"))
+
+    assert finished(after) - finished(before) == 16
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated == sum(len(o.outputs[0].token_ids) for o in ref)
-    assert after["spec_jax_num_requests_running"] == after["spec_jax_num_requests_waiting"] == 0
+    assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
 
 
 def test_a_dropped_client_frees_its_slot(served):
     url, llm, client = served
-    aborted = 'spec_jax_requests_total{finish_reason="abort"}'
+    aborted = 'vllm:request_success_total{finished_reason="abort"}'
     before = metrics(url)
     max_tokens = llm.max_model_len - 2
     stream = client.completions.create(model="tiny", prompt=[5], max_tokens=max_tokens, temperature=0, stream=True,
@@ -219,8 +224,8 @@ def test_a_dropped_client_frees_its_slot(served):
         assert time.time() < deadline, "the server never cancelled the dropped request"
         time.sleep(0.02)
     after = metrics(url)
-    assert after["spec_jax_num_requests_running"] == 0
-    assert after["spec_jax_generation_tokens_total"] - before["spec_jax_generation_tokens_total"] < max_tokens
+    assert after["vllm:num_requests_running"] == 0
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < max_tokens
     r = client.completions.create(model="tiny", prompt=[5], max_tokens=3, temperature=0)  # the slot serves again
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
 
@@ -229,7 +234,7 @@ def test_abandoned_non_streaming_requests_free_their_slots(served):
     """Clients that time out and hang up mid-request (more of them than there are slots) are
     cancelled, so a request sent after them is served at once."""
     url, llm, client = served
-    aborted = 'spec_jax_requests_total{finish_reason="abort"}'
+    aborted = 'vllm:request_success_total{finished_reason="abort"}'
     before = metrics(url)
     body = {"model": "tiny", "prompt": [5], "max_tokens": llm.max_model_len - 2, "temperature": 0, "ignore_eos": True}
 
@@ -247,7 +252,7 @@ def test_abandoned_non_streaming_requests_free_their_slots(served):
         cancelled = metrics(url)[aborted] - before[aborted]
         assert time.time() < deadline, f"{cancelled:.0f} of 6 abandoned requests cancelled"
         time.sleep(0.05)
-    assert metrics(url)["spec_jax_num_requests_running"] == 0
+    assert metrics(url)["vllm:num_requests_running"] == 0
     t = time.perf_counter()
     r = client.completions.create(model="tiny", prompt=[5], max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1 and time.perf_counter() - t < 10
@@ -379,7 +384,7 @@ def test_a_stop_string_cuts_token_ids_logprobs_and_usage_and_counts_as_stop(serv
         greedy, stop=[stop], logprobs=1))[0].outputs[0]
     assert len(want.token_ids) < 24 - 8
     body |= {"stop": [stop], "logprobs": 1, "return_token_ids": True}
-    stopped = 'spec_jax_requests_total{finish_reason="stop"}'
+    stopped = 'vllm:request_success_total{finished_reason="stop"}'
     with TestClient(build_app(Server(llm, steps_per_chunk=8))) as client:
         before = parse_metrics(client.get("/metrics").text)
         r = client.post("/v1/completions", json=body).json()
@@ -404,7 +409,7 @@ def test_a_stop_string_cuts_token_ids_logprobs_and_usage_and_counts_as_stop(serv
             time.sleep(0.1)
         after = parse_metrics(client.get("/metrics").text)
     assert after[stopped] == before[stopped] + 2
-    aborted = 'spec_jax_requests_total{finish_reason="abort"}'
+    aborted = 'vllm:request_success_total{finished_reason="abort"}'
     assert after[aborted] == before[aborted]
 
 
@@ -413,9 +418,11 @@ def test_models_health_metrics(served):
     assert httpx.get(f"{url}/health").status_code == 200
     assert [m.id for m in client.models.list().data] == ["tiny"]
     m = metrics(url)
-    for name in ("prompt_tokens_total", "generation_tokens_total", "spec_decode_acceptance_rate",
-                 "spec_decode_mean_acceptance_length", "num_requests_running", "num_requests_waiting"):
-        assert f"spec_jax_{name}" in m
+    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts_total",
+                 "spec_jax_spec_decode_acceptance_rate", "spec_jax_spec_decode_mean_acceptance_length"):
+        assert name in m
+    assert 'model_name="tiny"' in httpx.get(f"{url}/metrics").text
 
 
 def test_chat_without_a_template_is_refused(tiny_llm, tiny_dir):
