@@ -19,8 +19,10 @@ A pass with few query blocks over a long cache (a prefix-cache block pass) split
 ranges so the GPU has enough programs, and the ranges' partial outputs merge by their running
 maxima (`key_splits`). The blocks are picked per pass (`blocks_for`): the largest
 whose query block divides the pass and whose tiles fit in shared memory. Decode and verify
-(T < BLOCK_Q) stay on XLA, whose masked einsum serves a handful of query rows well, except in
-batch-invariant mode.
+passes (T < BLOCK_Q) pack the T x (nq / nkv) queries that read one key head into one query block
+(`flash_attention_packed`): the kernel then reads each row's cache in place and only up to its
+position, where XLA's masked einsum reads every slot of the compiled length and may first copy
+the whole cache into the layout its dot wants.
 """
 
 import functools
@@ -161,10 +163,11 @@ def kernel_fits(q, slots: int, *, padded: bool = False) -> bool:
 
 def use_flash_attention(q, slots: int) -> bool:
     """Whether `attend` runs this kernel for queries q over `slots` slots: on a GPU, for shapes it
-    takes. In batch-invariant mode every pass does (decode and verify too, padded to whole query
-    blocks): XLA may pick its masked einsums' algorithms per program, the kernel sums each query
-    the same way in all of them (`flash_attention_fixed_order`)."""
-    return jax.default_backend() == "gpu" and kernel_fits(q, slots, padded=invariant_rows() is not None)
+    takes, decode and verify passes packed by key head. In batch-invariant mode every pass is
+    padded to whole query blocks instead: XLA may pick its masked einsums' algorithms per program,
+    the kernel sums each query the same way in all of them (`flash_attention_fixed_order`)."""
+    short = q.shape[1] < BLOCK_Q  # packed by key head (`flash_attention_packed`), then padded
+    return jax.default_backend() == "gpu" and kernel_fits(q, slots, padded=short or invariant_rows() is not None)
 
 
 def flash_attention_fixed_order(q, k, v, q_pos, group=0, *, kv_len: int | None = None, interpret: bool = False):
@@ -181,6 +184,22 @@ def flash_attention_fixed_order(q, k, v, q_pos, group=0, *, kv_len: int | None =
     return out[:, :T]
 
 
+def flash_attention_packed(q, k, v, q_pos, group=0, *, kv_len: int | None = None, interpret: bool = False):
+    """A decode or verify pass (few queries a row) as whole query blocks: the T x rep queries of a
+    row that read one key head (rep = nq / nkv query heads, each with its own position) become one
+    block of the kernel with one query head per key head, padded with queries at slot 0 whose
+    output is dropped. Same arguments and result as `flash_attention_pallas`."""
+    B, T, nq, d = q.shape
+    nkv = k.shape[-2]
+    rep = nq // nkv
+    by_key_head = q.reshape(B, T, nkv, rep, d).transpose(0, 1, 3, 2, 4).reshape(B, T * rep, nkv, d)
+    n = whole_blocks(T * rep)
+    padded = jnp.pad(by_key_head, [(0, 0), (0, n - T * rep), (0, 0), (0, 0)])
+    pos = jnp.pad(jnp.repeat(q_pos, rep, axis=1), [(0, 0), (0, n - T * rep)])
+    out = flash_attention_pallas(padded, k, v, pos, group, kv_len=kv_len, interpret=interpret)[:, :T * rep]
+    return out.reshape(B, T, rep, nkv, d).transpose(0, 1, 3, 2, 4).reshape(B, T, nq, d)
+
+
 def flash_attention(q, k, v, q_pos, group, kv_len: int):
     """The kernel on the stacked caches k, v [G, B, L, nkv, d]: `flash_attention_fixed_order` in
     batch-invariant mode, else the wgmma kernel where it takes the shapes, else the Triton one;
@@ -188,6 +207,8 @@ def flash_attention(q, k, v, q_pos, group, kv_len: int):
     start + t."""
     if invariant_rows() is not None:
         kernel = flash_attention_fixed_order
+    elif q.shape[1] < BLOCK_Q:
+        kernel = flash_attention_packed
     elif use_wgmma_attention(q, kv_len):
         kernel = flash_attention_wgmma
     else:

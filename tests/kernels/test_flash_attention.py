@@ -15,6 +15,7 @@ from pallas_kernels.flash_attention import (
     BLOCKS,
     FIXED_ORDER,
     blocks_for,
+    flash_attention_packed,
     flash_attention_pallas,
     kernel_fits,
     key_splits,
@@ -114,9 +115,10 @@ def test_each_pass_takes_the_largest_blocks_that_tile_it_and_fit():
         assert T % b.q == 0 and S % b.k == 0
 
 
-def test_the_gpu_runs_it_for_prefill_and_for_every_pass_in_batch_invariant_mode(monkeypatch):
-    """Outside the mode decode stays on XLA; in it every pass takes the kernel, padded to whole
-    query blocks (XLA picks its einsums' algorithms per program, the kernel does not)."""
+def test_the_gpu_runs_it_for_every_pass(monkeypatch):
+    """Prefill in whole blocks, decode and verify packed by key head; in batch-invariant mode every
+    pass padded to whole query blocks (XLA picks its einsums' algorithms per program, the kernel
+    does not). A prefill not in whole blocks stays on XLA outside the mode."""
     from pallas_kernels import flash_attention as fa
     from pallas_kernels.batch_invariant import batch_invariant
 
@@ -124,7 +126,21 @@ def test_the_gpu_runs_it_for_prefill_and_for_every_pass_in_batch_invariant_mode(
     assert not fa.use_flash_attention(q, BLOCK_Q)  # the CPU: the reference
     monkeypatch.setattr(fa.jax, "default_backend", lambda: "gpu")
     assert fa.use_flash_attention(q, BLOCK_Q)
-    assert not fa.use_flash_attention(q[:, :1], BLOCK_Q)  # decode
+    assert fa.use_flash_attention(q[:, :1], BLOCK_Q)  # decode, packed
+    assert not fa.use_flash_attention(jnp.concatenate([q, q[:, :1]], axis=1), BLOCK_Q)
+    assert not fa.use_flash_attention(q[:, :1], BLOCK_Q - 1)  # a cache not in whole key blocks
     with batch_invariant(8):
         assert fa.use_flash_attention(q, BLOCK_Q)
         assert fa.use_flash_attention(q[:, :1], BLOCK_Q)
+
+
+@pytest.mark.parametrize("T,nq,nkv", [(1, 6, 2), (1, 2, 2), (4, 6, 1), (16, 12, 2)])
+def test_decode_and_verify_passes_packed_by_key_head(T, nq, nkv):
+    """Each row's T queries at their own positions (rows at different depths), the query heads of
+    one key head packed into a query block, over repeat 1 of a stacked cache of 2."""
+    B, S, d = 3, 4 * BLOCK_K, 16
+    q, k, v = random_qkv(5, B, T, S, nq, nkv, d)
+    _, k2, v2 = random_qkv(6, B, T, S, nq, nkv, d)
+    q_pos = jnp.asarray([0, 37, S - T], jnp.int32)[:, None] + jnp.arange(T)[None]
+    out = flash_attention_packed(q, jnp.stack([k2, k]), jnp.stack([v2, v]), q_pos, 1, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(causal_reference(q, k, v, q_pos)), rtol=2e-5, atol=2e-5)
