@@ -4,7 +4,9 @@ A few Qwen3-style layers read the block [anchor, MASK x (block_size - 1)] (embed
 target's embedding) bidirectionally, plus a context: the outputs of several target layers at
 every committed position, concatenated, projected by `fc` and normed (`hidden_norm`). Every
 layer attends over its own K/V of that context (k_proj / v_proj applied to the context feature)
-followed by the block's K/V. The block's outputs at positions 1.. go through the final `norm`
+followed by the block's K/V, under the layer's mask: bidirectional, or causal and/or a sliding
+window as the config says (`models.drafter_attention`, vLLM's rules; a sliding layer's context
+cache holds only the window). The block's outputs at positions 1.. go through the final `norm`
 and the target's lm_head: block_size - 1 drafts. Checkpoint names are z-lab's: `fc.weight`,
 `hidden_norm.weight`, `norm.weight`, `layers.{i}.*` as in Qwen3 (plain RMSNorm, q/k norms).
 
@@ -33,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.drafter_attention import (SLIDING, LayerAttention, check_window, declared_layer_types, hf_sliding_window,
+                                     ring_positions, ring_write)
 from models.layers import MLP, Attention, KVCache, Linear, PlainRMSNorm, attend_masked, scan_layers, unstack_layers
 
 
@@ -60,6 +64,32 @@ class DFlashConfig:
     markov_head_type: str = "vanilla"
     sample_from_anchor: bool = False  # DSpark: every query predicts the next token
     draft_vocab_size: int | None = None
+    # Sliding-window and causal layers (`models.drafter_attention`): the declared kinds (() all
+    # full), dflash_config.use_swa, the window, and the causality override (None: by kind).
+    layer_types: tuple[str, ...] = ()
+    use_swa: bool = False
+    sliding_window: int | None = None
+    causal: bool | None = None
+
+    def layer_attention(self, i: int) -> LayerAttention:
+        """Layer i's mask by vLLM's rules: sliding by its declared kind (every layer with use_swa
+        when none is declared sliding), causal by the override, else iff declared sliding."""
+        declared = self.layer_types[i] == SLIDING if self.layer_types else False
+        slides = declared if SLIDING in self.layer_types else self.use_swa
+        return LayerAttention(self.sliding_window if slides else None,
+                              declared if self.causal is None else self.causal)
+
+    def attention_runs(self) -> tuple[tuple[int, int, LayerAttention], ...]:
+        """(first, stop, mask) of each run of consecutive layers with one mask: each run keeps one
+        cache, of the window's length for a sliding run."""
+        runs = []
+        for i in range(self.num_hidden_layers):
+            att = self.layer_attention(i)
+            if runs and runs[-1][2] == att:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1, att])
+        return tuple(map(tuple, runs))
 
     @property
     def method(self) -> str:
@@ -80,7 +110,7 @@ class DFlashConfig:
     def from_hf(cls, config: dict[str, Any]) -> "DFlashConfig":
         """Build from a DFlash or DSpark checkpoint's `config.json` (z-lab, native DeepSeek or
         Speculators layout); refuses what we do not run (DFlash2's convolutions and candidate
-        selector, sliding-window or causal layers, gated/RNN Markov heads)."""
+        selector, gated/RNN Markov heads)."""
         if config.get("speculators_model_type") == "dspark":
             config = speculators_to_native(config)
         arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
@@ -98,8 +128,7 @@ class DFlashConfig:
         if merged.get("draft_vocab_size") is not None and merged.get("vocab_size") is None:
             raise ValueError(f"draft_vocab_size {merged['draft_vocab_size']} needs vocab_size, the target "
                              f"vocabulary its d2t table maps into")
-        if "sliding_attention" in (config.get("layer_types") or []) or config.get("is_causal"):
-            raise ValueError("DFlash drafters with sliding-window or causal layers are not supported")
+        merged.update(layer_masks(config, merged))
         rope = config.get("rope_parameters") or {}
         merged.setdefault("rope_theta", rope.get("rope_theta", 1e6))
         if merged.get("head_dim") is None:
@@ -112,6 +141,21 @@ class DFlashConfig:
         return cls(**{k: v for k, v in merged.items() if k in names and v is not None})
 
 
+def layer_masks(config: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
+    """The sliding-window and causal fields of a block drafter's config (top-level keys as
+    transformers' Qwen3Config reads them, the drafter's own in `merged`)."""
+    if merged.get("num_hidden_layers") is None:
+        return {}
+    kinds = declared_layer_types(config, merged["num_hidden_layers"])
+    use_swa = bool(merged.get("use_swa", False))
+    window = merged.get("swa_window_size", hf_sliding_window(config))
+    if use_swa or SLIDING in kinds:
+        window = check_window(window, "DFlash config")
+    causal = config.get("is_causal")
+    return {"layer_types": kinds, "use_swa": use_swa, "sliding_window": window,
+            "causal": merged.get("causal") if causal is None else bool(causal)}
+
+
 def speculators_to_native(config: dict[str, Any]) -> dict[str, Any]:
     """A Speculators-layout DSpark config -> the native keys. Speculators count an aux layer id
     as the hidden state entering that layer (vLLM's capture point): our layer index is id - 1."""
@@ -122,8 +166,10 @@ def speculators_to_native(config: dict[str, Any]) -> dict[str, Any]:
     if not aux:
         raise ValueError("Speculators DSpark config is missing 'aux_hidden_state_layer_ids'")
     keys = ("block_size", "mask_token_id", "markov_rank", "markov_head_type", "draft_vocab_size", "sample_from_anchor")
+    # vLLM's Speculators reader: the layers are causal unless sliding_window_non_causal (default true).
+    causal = {"causal": not config.get("sliding_window_non_causal", True)}
     return {**layer, **{k: config[k] for k in keys if k in config}, "architectures": ["Qwen3DSparkModel"],
-            "target_layer_ids": [i - 1 for i in aux]}
+            "target_layer_ids": [i - 1 for i in aux], "dflash_config": causal}
 
 
 class MarkovHead(nnx.Module):
@@ -141,7 +187,8 @@ class MarkovHead(nnx.Module):
 
 
 class DFlashLayer(nnx.Module):
-    """A Qwen3 decoder layer whose attention also reads the context's K/V, bidirectionally."""
+    """A Qwen3 decoder layer whose attention also reads the context's K/V, under its layer's mask
+    (bidirectional by default; causal and/or sliding-window as the config says)."""
 
     def __init__(self, cfg: DFlashConfig, *, stack=(), dtype=jnp.float32):
         H = cfg.hidden_size
@@ -152,13 +199,12 @@ class DFlashLayer(nnx.Module):
                                    dtype=dtype)
         self.mlp = MLP(H, cfg.intermediate_size, stack=stack, dtype=dtype)
 
-    def __call__(self, x, positions, ctx_k, ctx_v, ctx_visible):
-        """x: [B, T, H] the block; ctx_k/v: [B, S, kv, d]; ctx_visible: [B, S] bool."""
-        B, T, _ = x.shape
+    def __call__(self, x, positions, ctx_k, ctx_v, visible):
+        """x: [B, T, H] the block; ctx_k/v: [B, S, kv, d] the context slots; visible: [B, T, S + T]
+        which context slots, then which block positions, each query sees."""
         q, _, k, v = self.self_attn.project_heads(self.input_layernorm(x), positions)
         keys, values = jnp.concatenate([ctx_k, k], axis=1), jnp.concatenate([ctx_v, v], axis=1)
-        visible = jnp.concatenate([ctx_visible, jnp.ones((B, T), bool)], axis=1)[:, None, :]
-        o = attend_masked(q, keys, values, jnp.broadcast_to(visible, (B, T, keys.shape[1])))
+        o = attend_masked(q, keys, values, visible)
         x = x + self.self_attn.output(o, None)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -188,22 +234,31 @@ class DFlashDraft(nnx.Module):
         if self.unstacked is None:
             self.unstacked = nnx.List([group[0] for group in unstack_layers(self, "layers")])
 
-    def _scan(self, fn, xs_extra, init):
-        """fn(layer, carry, *x[i]) -> (carry, y) over the layers; the ys stacked [layers, ...]."""
+    def _scan(self, fn, xs_extra, init, first: int = 0, stop: int | None = None):
+        """fn(layer, carry, *x[i]) -> (carry, y) over layers first..stop - 1 (all by default); the
+        ys stacked [layers, ...]."""
+        stop = self.cfg.num_hidden_layers if stop is None else stop
         if self.unstacked is None:
             gdef, params = nnx.split(self.layers[0])
+            if (first, stop) != (0, self.cfg.num_hidden_layers):
+                params = jax.tree.map(lambda p: p[first:stop], params)
             return scan_layers(lambda c, xs: fn(nnx.merge(gdef, xs[0]), c, *xs[1:]), init, (params, *xs_extra))
         carry, ys = init, []
-        for i, layer in enumerate(self.unstacked):
+        for i, layer in enumerate(self.unstacked[first:stop]):
             carry, y = fn(layer, carry, *(x[i] for x in xs_extra))
             ys.append(y)
         return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """Context K/V of every layer: [layers, B, L, kv, d]."""
+    def init_cache(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
+        """Context K/V, one cache per run of layers with one mask (`attention_runs`):
+        [run layers, B, slots, kv, d], slots = max_len for full attention, the window for sliding."""
         c = self.cfg
-        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
-        return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+        def zeros(first, stop, att):
+            shape = (stop - first, batch, att.ring_size(max_len), c.num_key_value_heads, c.head_dim)
+            return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+
+        return tuple(zeros(*run) for run in c.attention_runs())
 
     def context_kv(self, taps, positions):
         """taps [B, T, n*H] (target layer outputs) at positions [B, T] -> K, V [layers, B, T, kv, d]."""
@@ -211,15 +266,27 @@ class DFlashDraft(nnx.Module):
         _, (k, v) = self._scan(lambda layer, c: (c, layer.self_attn.keys_values(ctx, positions)), (), None)
         return k, v
 
-    def block(self, x, positions, cache: KVCache, ctx_len):
-        """x [B, T, H] the embedded block at positions [B, T]; context slots < ctx_len [B] are
-        visible. Returns the post-norm hidden [B, T, H]."""
-        visible = jnp.arange(cache.k.shape[2])[None, :] < ctx_len[:, None]
+    def write_context(self, cache: tuple[KVCache, ...], taps, start, n_valid) -> tuple[KVCache, ...]:
+        """The context K/V of taps [B, T, n*H] at positions start [B] + t, for t < n_valid [B],
+        into each run's cache (slot = position mod its length)."""
+        pos = start[:, None] + jnp.arange(taps.shape[1])[None, :]
+        k, v = self.context_kv(taps, pos)
+        return tuple(KVCache(ring_write(c.k, k[first:stop], start, n_valid),
+                             ring_write(c.v, v[first:stop], start, n_valid))
+                     for (first, stop, _), c in zip(self.cfg.attention_runs(), cache))
 
-        def layer_fn(layer, x, k, v):
-            return layer(x, positions, k, v, visible), None
+    def block(self, x, positions, cache: tuple[KVCache, ...], ctx_len):
+        """x [B, T, H] the embedded block at positions [B, T], over the context of positions below
+        ctx_len [B] (what each layer's mask lets it see of them). Returns the post-norm hidden [B, T, H]."""
+        x = x.astype(self.dtype)
+        for (first, stop, att), c in zip(self.cfg.attention_runs(), cache):
+            held = ring_positions(ctx_len, c.k.shape[2])  # the position each context slot holds
+            visible = jnp.concatenate([att.visible(positions, held), att.visible(positions, positions)], axis=2)
 
-        x, _ = self._scan(layer_fn, (cache.k, cache.v), x.astype(self.dtype))
+            def layer_fn(layer, x, k, v, visible=visible):
+                return layer(x, positions, k, v, visible), None
+
+            x, _ = self._scan(layer_fn, (c.k, c.v), x, first, stop)
         return self.norm(x)
 
     def draft_vocab_logits(self, hidden, target_logits):
