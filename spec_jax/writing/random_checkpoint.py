@@ -144,29 +144,49 @@ def t2d_from_d2t(vocab: int, d2t: np.ndarray) -> np.ndarray:
     return t2d
 
 
+def layer_mask_keys(cfg) -> tuple[dict, dict]:
+    """The sliding-window keys of a block drafter's layers (what transformers' Qwen3Config reads)
+    and its dflash_config keys, from a DFlashConfig's `layer_types`, `use_swa` and window."""
+    if cfg.use_swa:
+        return ({"layer_types": list(cfg.layer_types)} if cfg.layer_types else {},
+                {"use_swa": True, "swa_window_size": cfg.sliding_window})
+    if not cfg.layer_types:
+        return {}, {}
+    window = {"sliding_window": cfg.sliding_window, "use_sliding_window": True} if cfg.sliding_window else {}
+    return {"layer_types": list(cfg.layer_types), **window}, {}
+
+
 def drafter_config_json(cfg, layout: str) -> dict:
     """The config.json of a block drafter in a published layout: "dflash" (z-lab), "dspark"
-    (native DeepSeek `Qwen3DSparkModel`) or "speculators" (vLLM Speculators' DSpark)."""
+    (native DeepSeek `Qwen3DSparkModel`) or "speculators" (vLLM Speculators' DSpark). Causality
+    (cfg.causal, None: by layer kind) is `is_causal` in the first two; Speculators' one flag,
+    `sliding_window_non_causal`, makes every layer non-causal unless cfg.causal is true."""
+    masks, swa = layer_mask_keys(cfg)
     layers = {
         "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
         "vocab_size": cfg.vocab_size, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **masks,
     }
+    causal = {} if cfg.causal is None else {"is_causal": cfg.causal}
     markov = {"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
               "confidence_head_with_markov": True}
     if layout == "dflash":
-        return {"architectures": ["DFlashDraftModel"], **layers, "is_causal": False,
+        return {"architectures": ["DFlashDraftModel"], **layers, **causal,
                 "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-                                  "target_layer_ids": list(cfg.target_layer_ids)}}
+                                  "target_layer_ids": list(cfg.target_layer_ids), **swa}}
     if layout == "dspark":
         draft_vocab = {"draft_vocab_size": cfg.draft_vocab_size} if cfg.reduced_vocab else {}
-        return {"architectures": ["Qwen3DSparkModel"], **layers, **markov, **draft_vocab,
+        return {"architectures": ["Qwen3DSparkModel"], **layers, **markov, **draft_vocab, **causal, **swa,
                 "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
                 "target_layer_ids": list(cfg.target_layer_ids)}
+    if swa:
+        raise ValueError("the Speculators layout has no use_swa; give the layers' kinds (layer_types)")
     return {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
             "transformer_layer_config": layers, **markov, "block_size": cfg.block_size,
             "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.output_vocab_size,
+            "sliding_window_non_causal": not cfg.causal,
             "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # the hidden entering layer i + 1
             "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
                                    "proposal_methods": [{"proposal_type": "greedy",
@@ -225,6 +245,8 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
              "num_hidden_layers": 1, "num_attention_heads": cfg.num_attention_heads,
              "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
              "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta}
+    if cfg.sliding_window:  # a Llama layer config keeps its window as given
+        layer.update(layer_types=["sliding_attention"], sliding_window=cfg.sliding_window)
     config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
               "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size,
               "norm_before_residual": cfg.norm_before_residual, "target_hidden_size": cfg.target_hidden_size,
