@@ -152,8 +152,10 @@ def layer_masks(config: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any
     if use_swa or SLIDING in kinds:
         window = check_window(window, "DFlash config")
     causal = config.get("is_causal")
-    return {"layer_types": kinds, "use_swa": use_swa, "sliding_window": window,
-            "causal": merged.get("causal") if causal is None else bool(causal)}
+    causal = merged.get("causal") if causal is None else bool(causal)
+    if causal is not None and all((kind == SLIDING) == causal for kind in kinds):
+        causal = None  # the override says what the layer kinds say: one config, whichever layout wrote it
+    return {"layer_types": kinds, "use_swa": use_swa, "sliding_window": window, "causal": causal}
 
 
 def speculators_to_native(config: dict[str, Any]) -> dict[str, Any]:
