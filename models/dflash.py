@@ -18,6 +18,9 @@ keys) or in the Speculators layout (`speculators_model_type: dspark`, the layer 
 `transformer_layer_config`, `aux_hidden_state_layer_ids` counted as the hidden state entering
 a layer, so one more than our layer index).
 
+DFlash2 (`DFlash2DraftModel`) adds a convolution around each layer's attention and MLP and a
+candidate selector (`models.dflash2`; its sizes in `dflash_config`); it drafts like DFlash.
+
 A reduced draft vocabulary (`draft_vocab_size` Vd < `vocab_size` V) works as EAGLE-3's: the
 drafter carries its own `lm_head.weight` [Vd, H] and `d2t` [Vd], draft id d standing for target
 id d + d2t[d]. Logits and the Markov bias live in draft space; `to_target_vocab` scatters them
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.dflash2 import CandidateSelector, GroupedDynamicConv
 from models.drafter_attention import (SLIDING, LayerAttention, check_window, declared_layer_types, hf_sliding_window,
                                      ring_positions, ring_write)
 from models.layers import MLP, Attention, KVCache, Linear, PlainRMSNorm, attend_masked, scan_layers, unstack_layers
@@ -70,6 +74,12 @@ class DFlashConfig:
     use_swa: bool = False
     sliding_window: int | None = None
     causal: bool | None = None
+    # DFlash2 (`models.dflash2`): convolutions of conv_kernel_size taps (0: none) and a candidate
+    # selector of rank selector_rank (0: none) over the top selector_top_k logits.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
+    selector_rank: int = 0
+    selector_top_k: int = 16
 
     def layer_attention(self, i: int) -> LayerAttention:
         """Layer i's mask by vLLM's rules: sliding by its declared kind (every layer with use_swa
@@ -109,15 +119,16 @@ class DFlashConfig:
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "DFlashConfig":
         """Build from a DFlash or DSpark checkpoint's `config.json` (z-lab, native DeepSeek or
-        Speculators layout); refuses what we do not run (DFlash2's convolutions and candidate
-        selector, gated/RNN Markov heads)."""
+        Speculators layout) or a DFlash2 one; refuses what we do not run (gated/RNN Markov heads)."""
         if config.get("speculators_model_type") == "dspark":
             config = speculators_to_native(config)
         arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
-        if arch not in ("DFlashDraftModel", "Qwen3DSparkModel"):
-            raise ValueError(f"unsupported drafter architecture {arch!r}; spec_jax runs DFlashDraftModel and "
-                             f"Qwen3DSparkModel")
+        if arch not in ("DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel"):
+            raise ValueError(f"unsupported drafter architecture {arch!r}; spec_jax runs DFlashDraftModel, "
+                             f"DFlash2DraftModel and Qwen3DSparkModel")
         merged = {**config, **(config.get("dflash_config") or {}), **(config.get("dspark_config") or {})}
+        if arch == "DFlash2DraftModel":
+            check_dflash2_keys(merged)
         if arch == "Qwen3DSparkModel":
             merged.setdefault("sample_from_anchor", True)
             if not merged.get("markov_rank"):
@@ -139,6 +150,18 @@ class DFlashConfig:
         merged["target_layer_ids"] = tuple(merged["target_layer_ids"])
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in merged.items() if k in names and v is not None})
+
+
+def check_dflash2_keys(merged: dict[str, Any]) -> None:
+    """A DFlash2 config must give its convolution and selector sizes as positive integers, and
+    predicts over the target's whole vocabulary."""
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        value = merged.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"DFlash2 config: dflash_config.{key}={value!r} must be a positive integer")
+    if merged.get("draft_vocab_size") not in (None, merged.get("vocab_size")):
+        raise ValueError(f"DFlash2 config: draft_vocab_size {merged['draft_vocab_size']} is not supported; its "
+                         f"selector ranks the target's own top-k logits")
 
 
 def layer_masks(config: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
@@ -200,15 +223,30 @@ class DFlashLayer(nnx.Module):
                                    rope_theta=cfg.rope_theta, qk_norm=PlainRMSNorm, eps=cfg.rms_norm_eps, stack=stack,
                                    dtype=dtype)
         self.mlp = MLP(H, cfg.intermediate_size, stack=stack, dtype=dtype)
+        convs = cfg.conv_kernel_size > 0  # DFlash2: a convolution around the attention and the MLP
+        make_conv = lambda: GroupedDynamicConv(H, cfg.conv_kernel_size, cfg.conv_group_size, stack=stack,  # noqa: E731
+                                               dtype=dtype)
+        self.attention_conv = make_conv() if convs else None
+        self.mlp_conv = make_conv() if convs else None
 
     def __call__(self, x, positions, ctx_k, ctx_v, visible):
         """x: [B, T, H] the block; ctx_k/v: [B, S, kv, d] the context slots; visible: [B, T, S + T]
         which context slots, then which block positions, each query sees."""
-        q, _, k, v = self.self_attn.project_heads(self.input_layernorm(x), positions)
+        h, coef = self._prepare(self.attention_conv, self.input_layernorm(x))
+        q, _, k, v = self.self_attn.project_heads(h, positions)
         keys, values = jnp.concatenate([ctx_k, k], axis=1), jnp.concatenate([ctx_v, v], axis=1)
-        o = attend_masked(q, keys, values, visible)
-        x = x + self.self_attn.output(o, None)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn.output(attend_masked(q, keys, values, visible), None)
+        x = x + self._finish(self.attention_conv, h, coef)
+        h, coef = self._prepare(self.mlp_conv, self.post_attention_layernorm(x))
+        return x + self._finish(self.mlp_conv, self.mlp(h), coef)
+
+    @staticmethod
+    def _prepare(conv, h):
+        return (h, None) if conv is None else conv.prepare(h)
+
+    @staticmethod
+    def _finish(conv, h, coef):
+        return h if conv is None else conv.finish(h, coef)
 
 
 class DFlashDraft(nnx.Module):
@@ -229,6 +267,8 @@ class DFlashDraft(nnx.Module):
         self.d2t = nnx.Param(jnp.zeros((cfg.draft_vocab_size,), jnp.int32)) if cfg.reduced_vocab else None
         self.markov_head = (MarkovHead(cfg.vocab_size, cfg.output_vocab_size, cfg.markov_rank, dtype=dtype)
                             if cfg.markov_rank else None)
+        self.candidate_selector = (CandidateSelector(H, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k,
+                                                     dtype=dtype) if cfg.selector_rank else None)
 
     def use_decode_layout(self) -> None:
         """Every layer's weights as arrays of their own, run unrolled: inside the decode loop XLA

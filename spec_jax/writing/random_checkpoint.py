@@ -41,6 +41,8 @@ def init_rule(name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
         return "normal", 0.0, 0.5
     if name.endswith("embed_tokens.weight"):
         return "normal", 0.0, 1.0
+    if name.endswith("base_kernel"):  # DFlash2's convolution: O(1) taps
+        return "normal", 0.0, 0.5
     return "normal", 0.0, shape[-1] ** -0.5  # [.., out, in]: std 1/sqrt(fan_in)
 
 
@@ -173,9 +175,14 @@ def drafter_config_json(cfg, layout: str) -> dict:
     markov = {"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
               "confidence_head_with_markov": True}
     if layout == "dflash":
-        return {"architectures": ["DFlashDraftModel"], **layers, **causal,
-                "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-                                  "target_layer_ids": list(cfg.target_layer_ids), **swa}}
+        dflash2 = {"conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size,
+                   "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k}
+        scales = {k: getattr(cfg, k) for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+                  if getattr(cfg, k) not in (None, 1.0)}
+        return {"architectures": ["DFlash2DraftModel" if cfg.selector_rank else "DFlashDraftModel"], **layers,
+                **causal, "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                                            "target_layer_ids": list(cfg.target_layer_ids), **swa, **scales,
+                                            **(dflash2 if cfg.selector_rank else {})}}
     if layout == "dspark":
         draft_vocab = {"draft_vocab_size": cfg.draft_vocab_size} if cfg.reduced_vocab else {}
         return {"architectures": ["Qwen3DSparkModel"], **layers, **markov, **draft_vocab, **causal, **swa,

@@ -95,12 +95,12 @@ def test_k_must_match_the_block(tiny_llm, dflash_dir):
         tiny_llm.with_speculation(spec(dflash_dir, 5))
 
 
-def test_dflash2_is_refused(tiny_llm, dflash_dir, tmp_path):
-    d = tmp_path / "d2"
+def test_an_unknown_drafter_architecture_is_refused(tiny_llm, dflash_dir, tmp_path):
+    d = tmp_path / "d3"
     d.mkdir()
     cfg = json.loads((dflash_dir / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlash2DraftModel"]}))
-    with pytest.raises(ValueError, match="unsupported drafter architecture 'DFlash2DraftModel'"):
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["DFlash3DraftModel"]}))
+    with pytest.raises(ValueError, match="unsupported drafter architecture 'DFlash3DraftModel'"):
         tiny_llm.with_speculation(spec(d))
 
 

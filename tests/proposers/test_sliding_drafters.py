@@ -1,13 +1,15 @@
-"""Sliding-window and causal drafter layers (DFlash, DSpark native and Speculators, EAGLE-3): each
+"""Sliding-window and causal drafter layers (DFlash, DSpark native and Speculators, EAGLE-3) and
+z-lab's DFlash2 (non-causal sliding layers with convolutions, a candidate selector): each
 layout's config resolves to vLLM's per-layer masks; the drafter, its bounded cache written a few
 positions at a time, matches a NumPy forward written from the formats' definitions (z-lab's mask:
 a key at k is visible to a query at p iff p - k < W, and k <= p when causal); after decoding, the
 engine's drafter state gives what that forward gives over the committed sequence; greedy
-speculation equals speculation off."""
+speculation equals speculation off; DFlash2's drafts are its selector's walk."""
 
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from models.drafter_attention import LayerAttention
 from models.eagle3 import Eagle3Config
 from models.layers import Batch
 from models.qwen3_5 import init_cache
+from spec_jax import SamplingParams
 from spec_jax.loading.drafters import load_dflash, load_eagle3
 from spec_jax.writing.random_checkpoint import write_dflash_checkpoint, write_eagle3_checkpoint
 
@@ -39,6 +42,10 @@ BLOCK_CASES = {  # name: (drafter, layout, each layer's expected (window, causal
     "dspark-speculators-sliding": (dataclasses.replace(DSPARK, layer_types=(S, S), sliding_window=5, causal=True),
                                    "speculators", [(5, True)] * 2),
 }
+DFLASH2 = dataclasses.replace(DRAFTER, layer_types=(S, S), sliding_window=6, causal=False, conv_kernel_size=2,
+                              conv_group_size=16, selector_rank=8, selector_top_k=6, output_multiplier=0.5,
+                              final_logit_softcapping=20.0)  # z-lab's DFlash2 layout at tiny dims
+BLOCK_CASES["dflash2-sliding-non-causal"] = (DFLASH2, "dflash", [(6, False)] * 2)
 HEAD = Eagle3Config(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     vocab_size=512, draft_vocab_size=128, target_layer_ids=(1, 3, 5), target_hidden_size=64,
                     sliding_window=4)
@@ -95,6 +102,27 @@ def heads(x, n):
     return x.reshape(x.shape[0], n, -1)
 
 
+def conv(x, coef, base, group_size):
+    """DFlash2's causal convolution along the block: x [T, H], coef [T, taps, G], base [taps, H]."""
+    out = np.zeros_like(x)
+    for o in range(base.shape[0]):
+        out += (base[o] + np.repeat(coef[:, o], group_size, -1)) * np.pad(x[:len(x) - o], ((o, 0), (0, 0)))
+    return out
+
+
+def conv_pair(w, name, h):
+    """(`prepare`'s output, `finish`'s coefficients) of conv `name`, or (h, None) without one."""
+    if name + ".base_kernel" not in w:
+        return h, None
+    base = w[name + ".base_kernel"]
+    coef = (h @ w[name + ".kernel_projection.weight"].T).reshape(len(h), 2, base.shape[1], -1)
+    return conv(h, coef[:, 0], base[0], h.shape[1] // coef.shape[-1]), coef[:, 1]
+
+
+def conv_finish(w, name, h, coef):
+    return h if coef is None else conv(h, coef, w[name + ".base_kernel"][1], h.shape[1] // coef.shape[-1])
+
+
 def block_reference(w, masks, taps, x, theta=1e6):
     """z-lab's drafter over context taps [c, n*H] (positions 0..c-1) and the embedded block x
     [T, H] (positions c..): each layer attends over [context K/V; block K/V] under its mask.
@@ -104,16 +132,33 @@ def block_reference(w, masks, taps, x, theta=1e6):
     pos_k, pos_q = np.arange(c + T), np.arange(c, c + T)
     for i, (window, causal) in enumerate(masks):
         a = f"layers.{i}.self_attn."
-        h = rms(x, w[f"layers.{i}.input_layernorm.weight"])
+        h, coef = conv_pair(w, f"layers.{i}.attention_conv", rms(x, w[f"layers.{i}.input_layernorm.weight"]))
         d = w[a + "q_norm.weight"].shape[0]
         nq, nkv = w[a + "q_proj.weight"].shape[0] // d, w[a + "k_proj.weight"].shape[0] // d
         q = rope(rms(heads(h @ w[a + "q_proj.weight"].T, nq), w[a + "q_norm.weight"]), pos_q, theta)
         both = np.concatenate([ctx, h])
         k = rope(rms(heads(both @ w[a + "k_proj.weight"].T, nkv), w[a + "k_norm.weight"]), pos_k, theta)
         v = heads(both @ w[a + "v_proj.weight"].T, nkv)
-        x = x + attention(q, k, v, mask(pos_q, pos_k, window, causal)) @ w[a + "o_proj.weight"].T
-        x = x + mlp(rms(x, w[f"layers.{i}.post_attention_layernorm.weight"]), w, f"layers.{i}.mlp.")
+        out = attention(q, k, v, mask(pos_q, pos_k, window, causal)) @ w[a + "o_proj.weight"].T
+        x = x + conv_finish(w, f"layers.{i}.attention_conv", out, coef)
+        h, coef = conv_pair(w, f"layers.{i}.mlp_conv", rms(x, w[f"layers.{i}.post_attention_layernorm.weight"]))
+        x = x + conv_finish(w, f"layers.{i}.mlp_conv", mlp(h, w, f"layers.{i}.mlp."), coef)
     return rms(x, w["norm.weight"])
+
+
+def selector_walk(w, hidden, lm_head, anchor, multiplier, cap, top_k):
+    """z-lab's greedy `CandidateSelector.select`: hidden [k, H] post-norm block outputs 1.. ->
+    the k tokens of the best-scored walk from the anchor."""
+    logits = np.tanh(hidden @ lm_head.T * multiplier / cap) * cap
+    prev, path = anchor, []
+    for j in range(len(hidden)):
+        cand = np.argsort(-logits[j])[:top_k]
+        hp = hidden[j] @ w["candidate_selector.hidden_projection.weight"].T
+        scores = logits[j, cand] + (w["candidate_selector.predecessor_codebook"][prev] * hp) @ \
+            w["candidate_selector.successor_codebook"][cand].T
+        prev = int(cand[np.argmax(scores)])
+        path.append(prev)
+    return path
 
 
 def head_reference(w, window, embedded, hidden, theta=10000.0):
@@ -206,6 +251,51 @@ def test_bad_sliding_configs_are_refused_by_name(change, message):
             "dflash_config": {"target_layer_ids": [1], "mask_token_id": 5}}
     with pytest.raises(ValueError, match=message):
         DFlashConfig.from_hf({**base, **change})
+
+
+def test_dflash2_keeps_z_labs_names_and_drafts_its_selectors_walk(tiny_llm, tmp_path):
+    d = write_dflash_checkpoint(tmp_path / "d2", DFLASH2, seed=6)
+    w = load_file(str(d / "model.safetensors"))
+    for name in ("candidate_selector.hidden_projection.weight", "candidate_selector.predecessor_codebook",
+                 "candidate_selector.successor_codebook", "layers.1.attention_conv.base_kernel",
+                 "layers.0.attention_conv.kernel_projection.weight", "layers.1.mlp_conv.kernel_projection.weight"):
+        assert name in w
+    assert json.loads((d / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    llm = tiny_llm.with_speculation(drafter_spec("dflash", d, 3))
+    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)
+    state = llm.engine.decode(state, 3, do_sample)
+    model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
+    drafts, *_ = llm.engine.plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths,
+                                                  lambda logits, pos: (jnp.argmax(logits, -1).astype(jnp.int32), None))
+    c = int(state.lengths[0]) - 1
+    out = model(state.tokens[:, :c], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([c])),
+                init_cache(model.cfg, 1, c, jnp.float32), kv_len=c, taps=DFLASH2.target_layer_ids)
+    x = np.asarray(model.embed(jnp.full((1, 4), 510, jnp.int32).at[0, 0].set(state.tokens[0, c]))[0])
+    hidden = block_reference(w, [(6, False)] * 2, np.asarray(out.taps[0]), x)[1:]
+    want = selector_walk(w, hidden, np.asarray(model.lm_head.weight[...]), int(state.tokens[0, c]), 0.5, 20.0, 6)
+    assert np.asarray(drafts[0]).tolist() == want
+    # sampled: each position's q is a distribution over its top-k candidates only
+    _, _, q, _ = llm.engine.plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths,
+                                                  lambda logits, pos: (jnp.argmax(logits, -1).astype(jnp.int32),
+                                                                       jax.nn.softmax(logits, -1)))
+    q = np.asarray(q[0])
+    assert np.allclose(q.sum(-1), 1.0, atol=1e-5) and ((q > 0).sum(-1) <= 6).all()
+    sampled = tiny_llm.with_speculation(drafter_spec("dflash", d, 3, draft_sample_method="probabilistic"))
+    out = sampled.generate(prompt_token_ids=[[3, 1, 4, 1, 5]], sampling_params=SamplingParams(
+        max_tokens=12, temperature=0.9, seed=1, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 12
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"selector_rank": None}, r"dflash_config.selector_rank=None must be a positive integer"),
+    ({"conv_group_size": 0}, r"dflash_config.conv_group_size=0 must be a positive integer"),
+])
+def test_bad_dflash2_configs_are_refused_by_name(tmp_path, change, message):
+    d = write_dflash_checkpoint(tmp_path / "d2", DFLASH2)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"].update(change)
+    with pytest.raises(ValueError, match=message):
+        DFlashConfig.from_hf(cfg)
 
 
 # ----------------------------------------------------------------------------- EAGLE-3
