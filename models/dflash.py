@@ -74,6 +74,7 @@ class DFlashConfig:
     use_swa: bool = False
     sliding_window: int | None = None
     causal: bool | None = None
+    window_from_anchor: bool = False  # Speculators' layout: the window counts from the block's anchor
     # DFlash2 (`models.dflash2`): convolutions of conv_kernel_size taps (0: none) and a candidate
     # selector of rank selector_rank (0: none) over the top selector_top_k logits.
     conv_kernel_size: int = 0
@@ -87,7 +88,7 @@ class DFlashConfig:
         declared = self.layer_types[i] == SLIDING if self.layer_types else False
         slides = declared if SLIDING in self.layer_types else self.use_swa
         return LayerAttention(self.sliding_window if slides else None,
-                              declared if self.causal is None else self.causal)
+                              declared if self.causal is None else self.causal, slides and self.window_from_anchor)
 
     def attention_runs(self) -> tuple[tuple[int, int, LayerAttention], ...]:
         """(first, stop, mask) of each run of consecutive layers with one mask: each run keeps one
@@ -178,7 +179,8 @@ def layer_masks(config: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any
     causal = merged.get("causal") if causal is None else bool(causal)
     if causal is not None and all((kind == SLIDING) == causal for kind in kinds):
         causal = None  # the override says what the layer kinds say: one config, whichever layout wrote it
-    return {"layer_types": kinds, "use_swa": use_swa, "sliding_window": window, "causal": causal}
+    return {"layer_types": kinds, "use_swa": use_swa, "sliding_window": window, "causal": causal,
+            "window_from_anchor": bool(merged.get("window_from_anchor")) and window is not None}
 
 
 def speculators_to_native(config: dict[str, Any]) -> dict[str, Any]:
@@ -191,10 +193,11 @@ def speculators_to_native(config: dict[str, Any]) -> dict[str, Any]:
     if not aux:
         raise ValueError("Speculators DSpark config is missing 'aux_hidden_state_layer_ids'")
     keys = ("block_size", "mask_token_id", "markov_rank", "markov_head_type", "draft_vocab_size", "sample_from_anchor")
-    # vLLM's Speculators reader: the layers are causal unless sliding_window_non_causal (default true).
-    causal = {"causal": not config.get("sliding_window_non_causal", True)}
+    # Speculators' training mask: sliding layers causal unless sliding_window_non_causal (default
+    # false), full layers never; the window counts from the block's anchor.
+    causal = {"causal": False} if config.get("sliding_window_non_causal", False) else {}
     return {**layer, **{k: config[k] for k in keys if k in config}, "architectures": ["Qwen3DSparkModel"],
-            "target_layer_ids": [i - 1 for i in aux], "dflash_config": causal}
+            "target_layer_ids": [i - 1 for i in aux], "dflash_config": causal, "window_from_anchor": True}
 
 
 class MarkovHead(nnx.Module):
@@ -323,7 +326,7 @@ class DFlashDraft(nnx.Module):
         x = x.astype(self.dtype)
         for (first, stop, att), c in zip(self.cfg.attention_runs(), cache):
             held = ring_positions(ctx_len, c.k.shape[2])  # the position each context slot holds
-            visible = jnp.concatenate([att.visible(positions, held), att.visible(positions, positions)], axis=2)
+            visible = att.block_visible(positions, held, ctx_len)
 
             def layer_fn(layer, x, k, v, visible=visible):
                 return layer(x, positions, k, v, visible), None

@@ -12,7 +12,10 @@ transformers `Qwen3Config` derives:
 * causality of a block drafter's layer: `is_causal`, else `dflash_config.causal`, else causal
   exactly for the layers whose declared kind is `sliding_attention`.
 * the mask, by absolute position: a key at k is visible to a query at p iff p - k < W on a
-  sliding layer (and k - p < W when it is not causal), and k <= p on a causal one.
+  sliding layer (and k - p < W when it is not causal), and k <= p on a causal one (z-lab's
+  `_attention_mask`, vLLM's attention window). Speculators' drafters were trained with the window
+  anchored at the block instead (`create_anchor_block_mask_mod`): every query of a block sees the
+  W context positions before its anchor and the whole block (causally or not), `from_anchor`.
 
 A sliding layer's keys live in a ring of R slots (R >= W plus what a step writes past the
 committed length), slot = position mod R: memory stays R per row however long the context.
@@ -66,10 +69,12 @@ def check_window(window, where: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LayerAttention:
-    """One layer's mask: `window` W (None: full attention) and whether it is `causal`."""
+    """One layer's mask: `window` W (None: full attention), whether it is `causal`, and whether a
+    block drafter's window is anchored at the block (`from_anchor`, Speculators' layout)."""
 
     window: int | None = None
     causal: bool = False
+    from_anchor: bool = False
 
     def ring_size(self, max_len: int, extra: int = 0) -> int:
         """Cache slots per row: the window plus `extra` positions a step may write past the
@@ -87,6 +92,17 @@ class LayerAttention:
             if not self.causal:
                 seen &= -d < self.window
         return seen
+
+
+    def block_visible(self, positions: jax.Array, held: jax.Array, ctx_len: jax.Array) -> jax.Array:
+        """A block drafter's mask [B, T, S + T]: which context slots (holding positions held
+        [B, S]), then which block positions, each block query at positions [B, T] sees; the
+        context is the positions below ctx_len [B]."""
+        if not self.from_anchor:
+            return jnp.concatenate([self.visible(positions, held), self.visible(positions, positions)], axis=2)
+        context = (held >= 0) & (held >= ctx_len[:, None] - self.window)
+        context = jnp.broadcast_to(context[:, None, :], (*positions.shape, held.shape[1]))
+        return jnp.concatenate([context, LayerAttention(causal=self.causal).visible(positions, positions)], axis=2)
 
 
 def ring_positions(start: jax.Array, slots: int) -> jax.Array:

@@ -162,7 +162,7 @@ def drafter_config_json(cfg, layout: str) -> dict:
     """The config.json of a block drafter in a published layout: "dflash" (z-lab), "dspark"
     (native DeepSeek `Qwen3DSparkModel`) or "speculators" (vLLM Speculators' DSpark). Causality
     (cfg.causal, None: by layer kind) is `is_causal` in the first two; Speculators' one flag,
-    `sliding_window_non_causal`, makes every layer non-causal unless cfg.causal is true."""
+    `sliding_window_non_causal`, is true when cfg.causal is false (its full layers are never causal)."""
     masks, swa = layer_mask_keys(cfg)
     layers = {
         "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -193,7 +193,7 @@ def drafter_config_json(cfg, layout: str) -> dict:
     return {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
             "transformer_layer_config": layers, **markov, "block_size": cfg.block_size,
             "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.output_vocab_size,
-            "sliding_window_non_causal": not cfg.causal,
+            "sliding_window_non_causal": cfg.causal is False,
             "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # the hidden entering layer i + 1
             "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
                                    "proposal_methods": [{"proposal_type": "greedy",

@@ -39,8 +39,12 @@ BLOCK_CASES = {  # name: (drafter, layout, each layer's expected (window, causal
                                   "dflash", [(4, False)] * 2),
     "dspark-native-sliding": (dataclasses.replace(DSPARK, layer_types=(S, S), sliding_window=5), "dspark",
                               [(5, True)] * 2),
-    "dspark-speculators-sliding": (dataclasses.replace(DSPARK, layer_types=(S, S), sliding_window=5, causal=True),
-                                   "speculators", [(5, True)] * 2),
+    # Speculators' mask: the window counts from the block's anchor
+    "dspark-speculators-sliding": (dataclasses.replace(DSPARK, layer_types=(S, S), sliding_window=5), "speculators",
+                                   [(5, True, True)] * 2),
+    "dspark-speculators-mixed-non-causal": (dataclasses.replace(DSPARK, layer_types=(S, F), sliding_window=5,
+                                                                causal=False), "speculators",
+                                            [(5, False, True), (None, False)]),
 }
 DFLASH2 = dataclasses.replace(DRAFTER, layer_types=(S, S), sliding_window=6, causal=False, conv_kernel_size=2,
                               conv_group_size=16, selector_rank=8, selector_top_k=6, output_multiplier=0.5,
@@ -82,6 +86,13 @@ def mask(q_pos, k_pos, window, causal):
     d = q_pos[:, None] - k_pos[None, :]
     seen = d >= 0 if causal else np.ones(d.shape, bool)
     return seen & (d < window) & (-d < window) if window else seen
+
+
+def anchored_mask(c, T, window, causal):
+    """Speculators' training mask: the `window` context positions before the anchor c, then the
+    block (causally or not), for every query of the block."""
+    context = np.broadcast_to(np.arange(c) >= c - window, (T, c))
+    return np.concatenate([context, mask(np.arange(T), np.arange(T), None, causal)], axis=1)
 
 
 def attention(q, k, v, visible):
@@ -130,7 +141,7 @@ def block_reference(w, masks, taps, x, theta=1e6):
     c, T = taps.shape[0], x.shape[0]
     ctx = rms(taps @ w["fc.weight"].T, w["hidden_norm.weight"])
     pos_k, pos_q = np.arange(c + T), np.arange(c, c + T)
-    for i, (window, causal) in enumerate(masks):
+    for i, (window, causal, *anchored) in enumerate(masks):
         a = f"layers.{i}.self_attn."
         h, coef = conv_pair(w, f"layers.{i}.attention_conv", rms(x, w[f"layers.{i}.input_layernorm.weight"]))
         d = w[a + "q_norm.weight"].shape[0]
@@ -139,7 +150,8 @@ def block_reference(w, masks, taps, x, theta=1e6):
         both = np.concatenate([ctx, h])
         k = rope(rms(heads(both @ w[a + "k_proj.weight"].T, nkv), w[a + "k_norm.weight"]), pos_k, theta)
         v = heads(both @ w[a + "v_proj.weight"].T, nkv)
-        out = attention(q, k, v, mask(pos_q, pos_k, window, causal)) @ w[a + "o_proj.weight"].T
+        seen = anchored_mask(c, T, window, causal) if anchored and anchored[0] else mask(pos_q, pos_k, window, causal)
+        out = attention(q, k, v, seen) @ w[a + "o_proj.weight"].T
         x = x + conv_finish(w, f"layers.{i}.attention_conv", out, coef)
         h, coef = conv_pair(w, f"layers.{i}.mlp_conv", rms(x, w[f"layers.{i}.post_attention_layernorm.weight"]))
         x = x + conv_finish(w, f"layers.{i}.mlp_conv", mlp(h, w, f"layers.{i}.mlp."), coef)
@@ -194,7 +206,7 @@ def test_bounded_cache_written_piecewise_matches_the_reference(block_case):
     c, T = 23, cfg.block_size
     taps, x = rng.normal(size=(c, 3 * 64)).astype(np.float32), rng.normal(size=(T, 64)).astype(np.float32)
     cache = draft.init_cache(1, 64)
-    assert [run.k.shape[2] for run in cache] == [m[0] or 64 for m in dict.fromkeys(masks)]
+    assert [run.k.shape[2] for run in cache] == [m[0] or 64 for m in dict.fromkeys(masks)]  # the window, or all
     cache = draft.write_context(cache, jnp.asarray(taps[None, :9]), jnp.asarray([0]), jnp.asarray([9]))
     for start in range(9, c, 2):  # three positions written, two of them committed
         chunk = np.pad(taps[start:start + 3], ((0, 3 - len(taps[start:start + 3])), (0, 0)))
@@ -237,6 +249,17 @@ def test_causality_is_is_causal_then_dflash_config_then_the_layer_kind(keys, cau
                                                                   **keys.get("dflash_config", {})}})
     assert cfg.layer_attention(0) == LayerAttention(8, causal)
     assert cfg.layer_attention(1) == LayerAttention(None, False)  # full; every override here is false
+
+
+@pytest.mark.parametrize("flag, causal", [(False, True), (None, True), (True, False)])
+def test_speculators_causality_is_its_sliding_window_non_causal_flag(tmp_path, flag, causal):
+    d = write_dflash_checkpoint(tmp_path / "s", dataclasses.replace(DSPARK, layer_types=(S, F), sliding_window=5),
+                                layout="speculators")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("sliding_window_non_causal")
+    cfg.update({} if flag is None else {"sliding_window_non_causal": flag})  # absent: Speculators' default, false
+    got = DFlashConfig.from_hf(cfg)
+    assert [got.layer_attention(i) for i in range(2)] == [LayerAttention(5, causal, True), LayerAttention()]
 
 
 @pytest.mark.parametrize("change, message", [
