@@ -295,11 +295,13 @@ def random_drafter_config(method: str, target: Qwen3_5Config, *, layers: int = 5
 
 def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path, *, layers: int = 5,
                          block_size: int | None = None, layout: str | None = None, seed: int = 0,
-                         dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> Path:
+                         dtype: str = "bfloat16", draft_vocab_size: int | None = None, **fields) -> Path:
     """A random drafter of `method` that fits `target` (`random_drafter_config`), in its published
-    layout; dspark's layout is "dspark" (native) or "speculators"."""
+    layout; dspark's layout is "dspark" (native) or "speculators". fields: drafter config fields
+    to set (layer_types, sliding_window, causal; DFlash2's conv_kernel_size, selector_rank)."""
     cfg = random_drafter_config(method, target, layers=layers, block_size=block_size,
                                 draft_vocab_size=draft_vocab_size)
+    cfg = dataclasses.replace(cfg, **fields)
     if method in ("dflash", "dspark"):
         return write_dflash_checkpoint(out_dir, cfg, seed=seed, layout=layout or method)
     if method == "eagle3":
@@ -313,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         python -m spec_jax.writing.random_checkpoint target DIR [--moe] [--text-only] [--seed N]
         python -m spec_jax.writing.random_checkpoint dflash|dspark|eagle3|draft_model DIR --target TARGET_DIR
             [--layers 2] [--block-size N] [--layout dspark|speculators] [--draft-vocab-size N]
+            [--layer-types sliding,sliding,full] [--sliding-window W] [--causal true|false] [--dflash2]
     """
     import argparse
 
@@ -330,7 +333,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layout", choices=["dspark", "speculators"], default=None, help="dspark: the published layout")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="dspark: a reduced draft vocabulary of N target ids (an lm_head of its own and d2t)")
+    ap.add_argument("--layer-types", type=lambda v: tuple(f"{k}_attention" for k in v.split(",")), default=None,
+                    help="dflash/dspark: each layer's kind, e.g. sliding,sliding,sliding,sliding,full")
+    ap.add_argument("--sliding-window", type=int, default=None,
+                    help="the sliding layers' window (eagle3: makes its midlayer sliding)")
+    ap.add_argument("--causal", choices=["true", "false"], default=None,
+                    help="dflash/dspark: every layer causal or not (default: the sliding layers are)")
+    ap.add_argument("--dflash2", action="store_true", help="dflash: z-lab's DFlash2 (convolutions, a selector)")
     args = ap.parse_args(argv)
+    fields = {k: v for k, v in (("layer_types", args.layer_types), ("sliding_window", args.sliding_window),
+                                ("causal", None if args.causal is None else args.causal == "true")) if v is not None}
+    block_fields = {"layer_types", "sliding_window", "causal"}
+    allowed = {"dflash": block_fields, "dspark": block_fields, "eagle3": {"sliding_window"}}.get(args.kind, set())
+    if set(fields) - allowed or (args.dflash2 and args.kind != "dflash"):
+        ap.error(f"{args.kind} takes none of --layer-types, --sliding-window, --causal, --dflash2 but "
+                 f"{', '.join(sorted(allowed)) or 'none'} (--dflash2: dflash only)")
+    if args.dflash2:
+        fields.update(conv_kernel_size=2, conv_group_size=16, selector_rank=64, selector_top_k=16)
     if args.kind == "target":
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
         cfg = Qwen3_5Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
@@ -343,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"{args.kind} needs --target TARGET_DIR (the drafter's geometry follows the target's)")
         write_random_drafter(args.kind, load_config(args.target), args.out, layers=args.layers,
                              block_size=args.block_size, layout=args.layout,
-                             seed=args.seed, dtype="float32", draft_vocab_size=args.draft_vocab_size)
+                             seed=args.seed, dtype="float32", draft_vocab_size=args.draft_vocab_size, **fields)
     print(f"wrote a random {args.kind} checkpoint to {args.out}")
 
 

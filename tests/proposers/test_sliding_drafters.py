@@ -235,6 +235,15 @@ def test_engine_state_matches_the_reference_and_greedy_equals_plain(block_case, 
     assert relative_error(got, want) < 1e-4
 
 
+def test_a_sliding_cache_does_not_grow_with_the_context(tmp_path):
+    draft, _ = load_dflash(write_dflash_checkpoint(tmp_path / "m", BLOCK_CASES["dflash-mixed-SSSSF"][0]), TINY)
+    for max_len in (64, 1 << 20):
+        sliding, full = jax.eval_shape(lambda n=max_len: draft.init_cache(1, n))
+        assert sliding.k.shape == (4, 1, 6, 2, 16) and full.k.shape == (1, 1, max_len, 2, 16)
+    head, _ = load_eagle3(write_eagle3_checkpoint(tmp_path / "e", HEAD), TINY)
+    assert jax.eval_shape(lambda: head.init_cache(1, 1 << 20, k=3)).k.shape == (1, 1, 4 + 3, 2, 16)
+
+
 @pytest.mark.parametrize("keys, causal", [
     ({"is_causal": False, "dflash_config": {"causal": True}}, False),  # is_causal first
     ({"dflash_config": {"causal": False}}, False),  # then dflash_config.causal
