@@ -41,7 +41,7 @@ def declared_layer_types(config: dict[str, Any], num_layers: int) -> tuple[str, 
     naming a kind that is neither full nor sliding, or a list of the wrong length."""
     kinds = config.get("layer_types")
     if kinds is None:
-        slides = config.get("use_sliding_window") and config.get("sliding_window") is not None
+        slides = hf_sliding_window(config) is not None
         first = config.get("max_window_layers", 28)
         return tuple(SLIDING if slides and i >= first else FULL for i in range(num_layers))
     bad = [k for k in kinds if k not in (FULL, SLIDING)]
@@ -53,8 +53,9 @@ def declared_layer_types(config: dict[str, Any], num_layers: int) -> tuple[str, 
 
 
 def hf_sliding_window(config: dict[str, Any]) -> int | None:
-    """`sliding_window` as transformers keeps it: only with `use_sliding_window`."""
-    return config.get("sliding_window") if config.get("use_sliding_window") else None
+    """`sliding_window` as transformers' Qwen3Config keeps it: only with `use_sliding_window`, 4096
+    when not written (a config saved as a diff from the defaults leaves it out)."""
+    return config.get("sliding_window", 4096) if config.get("use_sliding_window") else None
 
 
 def check_window(window, where: str) -> int:
