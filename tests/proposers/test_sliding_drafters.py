@@ -214,6 +214,9 @@ def test_bounded_cache_written_piecewise_matches_the_reference(block_case):
                                     jnp.asarray([min(2, c - start)]))
     got = draft.block(jnp.asarray(x[None]), jnp.arange(c, c + T)[None], cache, jnp.asarray([c]))[0]
     assert relative_error(got, block_reference(w, masks, taps, x)) < 1e-4
+    draft.use_decode_layout()  # the GPU's layout: each layer's weights arrays of their own, run unrolled
+    unrolled = draft.block(jnp.asarray(x[None]), jnp.arange(c, c + T)[None], cache, jnp.asarray([c]))[0]
+    assert relative_error(unrolled, got) < 1e-6
 
 
 def test_engine_state_matches_the_reference_and_greedy_equals_plain(block_case, tiny_llm, plain_greedy):
