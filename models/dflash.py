@@ -130,6 +130,7 @@ class DFlashConfig:
         merged = {**config, **(config.get("dflash_config") or {}), **(config.get("dspark_config") or {})}
         if arch == "DFlash2DraftModel":
             check_dflash2_keys(merged)
+        check_layer_keys(merged)
         if arch == "Qwen3DSparkModel":
             merged.setdefault("sample_from_anchor", True)
             if not merged.get("markov_rank"):
@@ -151,6 +152,19 @@ class DFlashConfig:
         merged["target_layer_ids"] = tuple(merged["target_layer_ids"])
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in merged.items() if k in names and v is not None})
+
+
+# Keys vLLM's DFlash reader (qwen3_dflash.py) acts on, with the value we run; another is refused by name.
+LAYER_KEYS = {"attention_bias": False, "attention_sink_bias": False, "add_swa_attention_sink_bias": False,
+              "is_neox_style": True, "use_aux_hidden_state": True, "hidden_act": "silu"}
+
+
+def check_layer_keys(merged: dict[str, Any]) -> None:
+    """ValueError naming a layer variant vLLM's reader knows and we do not run (a bias, attention
+    sinks, interleaved RoPE, no target taps, another activation), so its tensors are not dropped."""
+    for key, ours in LAYER_KEYS.items():
+        if merged.get(key, ours) != ours:
+            raise ValueError(f"DFlash config: {key}={merged[key]!r} is not supported; spec_jax runs {key}={ours!r}")
 
 
 def check_dflash2_keys(merged: dict[str, Any]) -> None:

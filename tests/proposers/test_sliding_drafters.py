@@ -278,6 +278,9 @@ def test_speculators_causality_is_its_sliding_window_non_causal_flag(tmp_path, f
     ({"use_sliding_window": False}, "sliding-attention layers but no window"),
     ({"sliding_window": 0}, "sliding window 0 must be a positive integer"),
     ({"layer_types": [S, "chunked_attention"]}, "layer kind 'chunked_attention' is not supported"),
+    ({"attention_bias": True}, "attention_bias=True is not supported"),
+    ({"dflash_config": {"target_layer_ids": [1], "mask_token_id": 5, "attention_sink_bias": True}},
+     "attention_sink_bias=True is not supported"),
 ])
 def test_bad_sliding_configs_are_refused_by_name(change, message):
     base = {"architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 96,
