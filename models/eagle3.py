@@ -72,7 +72,8 @@ class Eagle3Config:
             vocab_size=layer["vocab_size"], draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"],
             target_layer_ids=tuple(i - 1 for i in aux) if aux else (),
             target_hidden_size=config.get("target_hidden_size"),
-            norm_before_residual=config.get("norm_before_residual", True),
+            # absent: false, as vLLM's Eagle3LlamaForCausalLM and Speculators' config default it
+            norm_before_residual=config.get("norm_before_residual", False),
             rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)),
             sliding_window=midlayer_window(layer),

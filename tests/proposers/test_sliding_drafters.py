@@ -375,6 +375,12 @@ def test_sliding_head_engine_state_matches_the_reference_and_greedy_equals_plain
     assert relative_error(state.proposer.hidden[0], want[-1]) < 1e-4
 
 
+def test_norm_before_residual_defaults_to_false_as_in_vllm_and_speculators(head_dir):
+    cfg = json.loads((head_dir / "config.json").read_text())
+    cfg.pop("norm_before_residual")
+    assert Eagle3Config.from_hf(cfg).norm_before_residual is False
+
+
 def test_non_causal_head_is_refused(head_dir, tmp_path):
     cfg = json.loads((head_dir / "config.json").read_text())
     cfg["transformer_layer_config"]["is_causal"] = False
