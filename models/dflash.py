@@ -240,11 +240,10 @@ class DFlashLayer(nnx.Module):
                                    rope_theta=cfg.rope_theta, qk_norm=PlainRMSNorm, eps=cfg.rms_norm_eps, stack=stack,
                                    dtype=dtype)
         self.mlp = MLP(H, cfg.intermediate_size, stack=stack, dtype=dtype)
-        convs = cfg.conv_kernel_size > 0  # DFlash2: a convolution around the attention and the MLP
-        make_conv = lambda: GroupedDynamicConv(H, cfg.conv_kernel_size, cfg.conv_group_size, stack=stack,  # noqa: E731
-                                               dtype=dtype)
-        self.attention_conv = make_conv() if convs else None
-        self.mlp_conv = make_conv() if convs else None
+        # DFlash2: a convolution around the attention and the MLP
+        self.attention_conv, self.mlp_conv = (
+            [GroupedDynamicConv(H, cfg.conv_kernel_size, cfg.conv_group_size, stack=stack, dtype=dtype)
+             for _ in range(2)] if cfg.conv_kernel_size else (None, None))
 
     def __call__(self, x, positions, ctx_k, ctx_v, visible):
         """x: [B, T, H] the block; ctx_k/v: [B, S, kv, d] the context slots; visible: [B, T, S + T]
