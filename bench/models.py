@@ -106,10 +106,11 @@ DRAFT_MODEL_GEOMETRY = "0.8b"  # the draft_model method's drafter: the smallest 
 
 
 def random_drafter(method: str, target: Qwen3_5Config, dtype="bfloat16", *, block_size: int | None = None,
-                   seed: int = 1):
+                   seed: int = 1, **fields):
     """A random drafter network of `method` that fits `target`, made on the device: DFlash /
-    DSpark / EAGLE-3 as `spec_jax.writing.random_checkpoint.random_drafter_config` shapes them, and for
-    draft_model a Qwen3.5-0.8B geometry (the family's vocabulary, so its drafts are target ids)."""
+    DSpark / EAGLE-3 as `spec_jax.writing.random_checkpoint.random_drafter_config` shapes them
+    (with `fields` of its config set: sliding layers, DFlash2), and for draft_model a
+    Qwen3.5-0.8B geometry (the family's vocabulary, so its drafts are target ids)."""
     if method == "draft_model":
         cfg = dataclasses.replace(geometry_config(DRAFT_MODEL_GEOMETRY), mtp_num_hidden_layers=0,
                                   vocab_size=target.vocab_size)
@@ -117,7 +118,7 @@ def random_drafter(method: str, target: Qwen3_5Config, dtype="bfloat16", *, bloc
     from models.dflash import DFlashDraft
     from models.eagle3 import Eagle3Draft
 
-    cfg = random_drafter_config(method, target, block_size=block_size)
+    cfg = dataclasses.replace(random_drafter_config(method, target, block_size=block_size), **fields)
     network = DFlashDraft if method in ("dflash", "dspark") else Eagle3Draft
     name_of = lambda path: ".".join(map(str, path)) + (".weight" if path[-1] == "embed_tokens" else "")  # noqa: E731
     return random_network(lambda: network(cfg, dtype=jnp.dtype(dtype)), name_of, seed=seed)

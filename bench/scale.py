@@ -77,11 +77,21 @@ METHODS = {
     "no_drafts": ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
                   None),
     "dflash": ({"method": "dflash", "num_speculative_tokens": 15}, "dflash"),
+    "dflash_swa": ({"method": "dflash", "num_speculative_tokens": 15}, "dflash"),
+    "dflash2": ({"method": "dflash", "num_speculative_tokens": 15}, "dflash"),
     "dspark": ({"method": "dspark", "num_speculative_tokens": 16}, "dspark"),
     "eagle3": ({"method": "eagle3", "num_speculative_tokens": 3}, "eagle3"),
     "draft_model": ({"method": "draft_model", "num_speculative_tokens": 3}, "draft_model"),
 }
-DRAFTER_BLOCK = {"dflash": 16, "dspark": 16}  # the table compares DFlash and DSpark at one block size
+DRAFTER_BLOCK = {"dflash": 16, "dflash_swa": 16, "dflash2": 16, "dspark": 16}  # one block size for the table
+# z-lab's newer drafters: Qwen3.6's layer pattern S,S,S,S,F (window 2048), and DFlash2 (all sliding,
+# non-causal, convolutions and a selector of rank 256 over the top 16).
+SLIDING = "sliding_attention"
+DRAFTER_FIELDS = {
+    "dflash_swa": {"layer_types": (SLIDING,) * 4 + ("full_attention",), "sliding_window": 2048},
+    "dflash2": {"layer_types": (SLIDING,) * 5, "sliding_window": 2048, "causal": False, "conv_kernel_size": 2,
+                "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +324,8 @@ def main() -> None:
     compiled = {}  # methods with one config (ngram, no_drafts) share one speculating LLM
     for name in args.methods:
         config, drafter = METHODS[name]
-        draft = random_drafter(drafter, cfg, block_size=DRAFTER_BLOCK.get(name)) if drafter else None
+        draft = (random_drafter(drafter, cfg, block_size=DRAFTER_BLOCK.get(name), **DRAFTER_FIELDS.get(name, {}))
+                 if drafter else None)
         config = {**config, "model": "random, made on the device"} if drafter else config
         if "draft_vocab_size" in config:  # small geometries have fewer ids
             config["draft_vocab_size"] = min(config["draft_vocab_size"], cfg.vocab_size // 2)

@@ -8,6 +8,11 @@ pre-norm output feeds the next chained step; `norm` then `lm_head` over a possib
 draft vocabulary, whose ids map to the target's by `d2t` (target id = d + d2t[d]).
 Names: `fc.weight`, `layers.0.*` (or `midlayer.*`), `norm.weight`, `lm_head.weight`, `d2t`,
 and `embed_tokens.weight` when the head has its own embedding (else the target's is shared).
+
+A midlayer whose kind is `sliding_attention` (vLLM's LlamaAttention reads `layer_types[0]` and
+`sliding_window` of `transformer_layer_config`) attends causally to the last `sliding_window`
+positions, itself included; its KV cache is a ring of the window plus the k positions a step
+drafts past the committed length (`models.drafter_attention`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers import MLP, Attention, Batch, KVCache, Linear, PlainRMSNorm, zeros_param
+from models.drafter_attention import (SLIDING, LayerAttention, check_window, declared_layer_types, hf_sliding_window,
+                                     ring_positions, ring_write)
+from models.layers import MLP, Attention, Batch, KVCache, Linear, PlainRMSNorm, attend_masked, zeros_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +45,7 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     has_embedding: bool = False  # set by the loader from the checkpoint's tensors
+    sliding_window: int | None = None  # the midlayer's window (None: full causal attention)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "Eagle3Config":
@@ -52,6 +60,9 @@ class Eagle3Config:
         rope = dict(layer.get("rope_parameters") or layer.get("rope_scaling") or {})
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(f"unsupported rope_type {rope.get('rope_type', rope.get('type'))!r} in the EAGLE-3 head")
+        if layer.get("is_causal", config.get("is_causal", True)) is not True:
+            raise ValueError("EAGLE-3 head with is_causal false is not supported; its midlayer drafts left to "
+                             "right, attending causally")
         aux = config.get("eagle_aux_hidden_state_layer_ids")
         return cls(
             hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
@@ -61,9 +72,11 @@ class Eagle3Config:
             vocab_size=layer["vocab_size"], draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"],
             target_layer_ids=tuple(i - 1 for i in aux) if aux else (),
             target_hidden_size=config.get("target_hidden_size"),
-            norm_before_residual=config.get("norm_before_residual", True),
+            # absent: false, as vLLM's Eagle3LlamaForCausalLM and Speculators' config default it
+            norm_before_residual=config.get("norm_before_residual", False),
             rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)),
+            sliding_window=midlayer_window(layer),
         )
 
     def with_target(self, num_layers: int, hidden: int) -> "Eagle3Config":
@@ -71,6 +84,15 @@ class Eagle3Config:
         convention, i.e. our layers (1, L/2 - 1, L - 4), and the target hidden size."""
         taps = self.target_layer_ids or (1, num_layers // 2 - 1, num_layers - 4)
         return dataclasses.replace(self, target_layer_ids=taps, target_hidden_size=self.target_hidden_size or hidden)
+
+
+def midlayer_window(layer: dict[str, Any]) -> int | None:
+    """The midlayer's sliding window when its kind (`layer_types[0]`, or transformers' rule) is
+    sliding, else None. Qwen configs keep `sliding_window` only with `use_sliding_window`."""
+    if declared_layer_types(layer, 1)[0] != SLIDING:
+        return None
+    qwen = str(layer.get("model_type", "llama")).startswith("qwen")
+    return check_window(hf_sliding_window(layer) if qwen else layer.get("sliding_window"), "EAGLE-3 config")
 
 
 class Eagle3Layer(nnx.Module):
@@ -91,9 +113,27 @@ class Eagle3Layer(nnx.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if self.cfg.norm_before_residual else hidden
         x = jnp.concatenate([self.input_layernorm(embedded), normed], axis=-1)
-        h, cache = self.self_attn(x, batch, cache, 0, kv_len)
+        if self.cfg.sliding_window is None:
+            h, cache = self.self_attn(x, batch, cache, 0, kv_len)
+        else:
+            h, cache = self.windowed_attention(x, batch, cache)
         residual = residual + h
         return residual + self.mlp(self.post_attention_layernorm(residual)), cache
+
+    def windowed_attention(self, x, batch: Batch, cache: KVCache):
+        """Causal sliding-window attention of x [B, T, 2H] over the ring cache [1, B, R, kv, d]
+        (positions below batch.start) and the new tokens, whose real ones are then written to
+        the ring. Returns ([B, T, H], cache)."""
+        positions = batch.positions_for(x.shape[1])
+        q, _, k, v = self.self_attn.project_heads(x, positions)
+        att = LayerAttention(self.cfg.sliding_window, causal=True)
+        held = ring_positions(batch.start, cache.k.shape[2])
+        visible = jnp.concatenate([att.visible(positions, held), att.visible(positions, positions)], axis=2)
+        o = attend_masked(q, jnp.concatenate([cache.k[0], k.astype(cache.k.dtype)], axis=1),
+                          jnp.concatenate([cache.v[0], v.astype(cache.v.dtype)], axis=1), visible)
+        cache = KVCache(ring_write(cache.k, k[None], batch.start, batch.n_valid),
+                        ring_write(cache.v, v[None], batch.start, batch.n_valid))
+        return self.self_attn.output(o, None), cache
 
 
 class Eagle3Draft(nnx.Module):
@@ -108,8 +148,12 @@ class Eagle3Draft(nnx.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size, dtype=dtype)
         self.d2t = nnx.Param(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        shape = (1, batch, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim)
+    def init_cache(self, batch: int, max_len: int, k: int = 0) -> KVCache:
+        """[1, B, slots, kv, d]: max_len slots, or with a sliding window the window plus the k
+        positions a step drafts past the committed length (their stale keys must fall outside
+        every later query's window)."""
+        slots = LayerAttention(self.cfg.sliding_window).ring_size(max_len, extra=k)
+        shape = (1, batch, slots, self.cfg.num_key_value_heads, self.cfg.head_dim)
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
 
     def embed(self, tokens, target_embed):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.drafter_attention import declared_layer_types
 from models.layers import (MLP, Attention, Batch, KVCache, Linear, PlainRMSNorm, check_head_groups, scan_layers,
                            unstack_layers, zeros_param)
 from models.qwen3_5 import FULL, ForwardOut, Qwen3_5Model
@@ -112,11 +113,9 @@ class Qwen3Config:
 def check_full_attention(config: dict[str, Any]) -> None:
     """Refuse configs in which HF would run any layer with sliding-window attention."""
     kinds = config.get("layer_types")
-    if kinds is None and config.get("use_sliding_window") and config.get("sliding_window") is not None:
-        # HF's rule when layer_types is absent: layers from max_window_layers on slide.
-        first = config.get("max_window_layers", 28)
-        kinds = [FULL if i < first else "sliding_attention" for i in range(config.get("num_hidden_layers", 32))]
-    bad = [k for k in kinds or () if k != FULL]
+    if kinds is None:  # HF's rule: with use_sliding_window, layers from max_window_layers on slide
+        kinds = declared_layer_types(config, config.get("num_hidden_layers", 32))
+    bad = [k for k in kinds if k != FULL]
     if bad:
         raise ValueError(f"layer kind {bad[0]!r} is not supported; Qwen3Model runs only {FULL!r} layers")
 

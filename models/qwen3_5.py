@@ -179,6 +179,11 @@ class Qwen3_5Config:
             raise ValueError(f"unsupported rope_type {rope['rope_type']!r}; only 'default' RoPE is implemented")
         if text.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {text['hidden_act']!r}; only 'silu' (SwiGLU) is implemented")
+        if text.get("output_gate_type", "silu") not in ("silu", "swish"):
+            # The Gated DeltaNet output norm's gate: Qwen3.5/3.6 configs leave it out (silu), Qwen3.8's say
+            # "swish", the same function (vLLM reads the key; transformers hard-codes silu).
+            raise ValueError(f"output_gate_type {text['output_gate_type']!r} is not supported: the Gated DeltaNet "
+                             f"norm's gate runs silu ('silu' or 'swish')")
         if text.get("attn_output_gate", True) is not True:
             raise ValueError(f"attn_output_gate={text['attn_output_gate']!r} is not supported: Qwen3.5's full "
                              f"attention is gated")

@@ -1,9 +1,10 @@
 """DFlash drafting: one non-autoregressive pass of the block [newest, MASK x k] over the
 context of every committed position's target-layer features (z-lab's block diffusion drafter).
 
-The context K/V lives in the drafter's own cache, one slot per position. After each verify
-pass the verified positions' features (the target's taps) are written to their slots; a row's
-length decides which slots are read, so rollback is the length, as for attention.
+The context K/V lives in the drafter's own cache, one slot per position (position mod the window
+for a sliding layer, whose cache is the window long). After each verify pass the accepted
+positions' features (the target's taps) are written to their slots; a row's length decides
+which slots are read, so rollback is the length, as for attention.
 
 A drafter with a reduced vocabulary scores its own ids; `choose` always sees target-vocabulary
 logits (`DFlashDraft.to_target_vocab`), so drafts are target ids and a sampled draft's q covers
@@ -45,20 +46,11 @@ class DFlashProposer:
         """Post-norm block outputs [B, T, H] -> scaled float32 logits over the draft vocabulary [B, T, Vd]."""
         return self.scaled_logits(draft.draft_vocab_logits(hidden, model.logits))
 
-    def _write_context(self, draft, cache: KVCache, taps, start) -> KVCache:
-        """Context K/V of taps [B, T, n*H] into slots start [B] + 0..T-1."""
-        B, T = taps.shape[:2]
-        pos = start[:, None] + jnp.arange(T)[None, :]
-        k, v = draft.context_kv(taps, pos)
-        rows = jnp.arange(B)[:, None]
-        return KVCache(cache.k.at[:, rows, pos].set(k.astype(cache.k.dtype), mode="drop"),
-                       cache.v.at[:, rows, pos].set(v.astype(cache.v.dtype), mode="drop"))
-
-    def init_state(self, model, draft, tokens, lengths, target: ForwardOut, choose) -> KVCache:
+    def init_state(self, model, draft, tokens, lengths, target: ForwardOut, choose) -> tuple[KVCache, ...]:
         cache = draft.init_cache(tokens.shape[0], tokens.shape[1])
-        return self._write_context(draft, cache, target.taps, jnp.zeros_like(lengths))
+        return draft.write_context(cache, target.taps, jnp.zeros_like(lengths), lengths)
 
-    def propose(self, model, draft, cache: KVCache, tokens, lengths, choose):
+    def propose(self, model, draft, cache: tuple[KVCache, ...], tokens, lengths, choose):
         B = tokens.shape[0]
         newest = tokens[jnp.arange(B), lengths - 1]
         block = jnp.concatenate([newest[:, None], jnp.full((B, self.k), self.mask_token_id, jnp.int32)], axis=1)
@@ -70,5 +62,7 @@ class DFlashProposer:
         q = None if picks[0][1] is None else jnp.stack([p[1] for p in picks], axis=1)
         return jnp.stack([p[0] for p in picks], axis=1), jnp.full_like(lengths, self.k), q, cache
 
-    def update(self, model, draft, cache: KVCache, target: ForwardOut, emitted, n_acc, lengths, choose) -> KVCache:
-        return self._write_context(draft, cache, target.taps, lengths - 1)
+    def update(self, model, draft, cache: tuple[KVCache, ...], target: ForwardOut, emitted, n_acc, lengths,
+               choose) -> tuple[KVCache, ...]:
+        # the verify pass read the newest token and the drafts; the newest and the accepted ones are committed
+        return draft.write_context(cache, target.taps, lengths - 1, n_acc + 1)

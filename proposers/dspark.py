@@ -26,7 +26,7 @@ from proposers.dflash import DFlashProposer
 class DSparkProposer(DFlashProposer):
     sample_from_anchor: bool = True
 
-    def propose(self, model, draft, cache: KVCache, tokens, lengths, choose):
+    def propose(self, model, draft, cache: tuple[KVCache, ...], tokens, lengths, choose):
         B = tokens.shape[0]
         newest = tokens[jnp.arange(B), lengths - 1]
         queries = self.k if self.sample_from_anchor else self.k + 1

@@ -15,7 +15,7 @@ class Eagle3Proposer(ChainedHeadProposer):
     taps: tuple[int, ...]
 
     def init_cache(self, model, draft, batch, max_len):
-        return draft.init_cache(batch, max_len)
+        return draft.init_cache(batch, max_len, self.k)
 
     def embed(self, model, draft, tokens):
         return draft.embed(tokens, model.embed)

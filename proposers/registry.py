@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from proposers.dflash import DFlashProposer
+from proposers.dflash2 import DFlash2Proposer
 from proposers.draft_model import DraftModelProposer
 from proposers.dspark import DSparkProposer
 from proposers.eagle3 import Eagle3Proposer
@@ -30,7 +31,8 @@ def _block_drafter(spec, k: int, draft) -> DFlashProposer:
             raise ValueError(f"num_speculative_tokens={k} but the DFlash drafter {spec.model!r} drafts "
                              f"block_size - 1 = {d.block_size - 1} tokens per block; set num_speculative_tokens "
                              f"to {d.block_size - 1}")
-        return DFlashProposer(k, d.target_layer_ids, d.mask_token_id, *scales)
+        make = DFlash2Proposer if d.selector_rank else DFlashProposer
+        return make(k, d.target_layer_ids, d.mask_token_id, *scales)
     if k < d.block_size:
         raise ValueError(f"num_speculative_tokens={k} is below the DSpark drafter's block_size {d.block_size}; "
                          f"a shorter block drafts wrong tokens, so set it to at least {d.block_size}")

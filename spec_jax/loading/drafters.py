@@ -53,8 +53,8 @@ def check_dflash_fits(cfg: DFlashConfig, target: Qwen3_5Config, where: str) -> N
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         raise ValueError(f"{cfg.method} drafter {where} has mask_token_id {cfg.mask_token_id} outside the target's "
                          f"vocabulary of {target.vocab_size}")
-    # The Markov head's W1 and a d2t table index the target's token ids, so they need its vocabulary.
-    if (cfg.markov_rank or cfg.reduced_vocab) and cfg.vocab_size != target.vocab_size:
+    # The Markov head's W1, a d2t table and DFlash2's codebooks index the target's token ids: its vocabulary.
+    if (cfg.markov_rank or cfg.reduced_vocab or cfg.selector_rank) and cfg.vocab_size != target.vocab_size:
         raise ValueError(f"{cfg.method} drafter {where} has vocab_size {cfg.vocab_size} but the target has "
                          f"{target.vocab_size}")
 

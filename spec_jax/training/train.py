@@ -283,7 +283,7 @@ def dflash_loss(draft: DFlashDraft, target: Qwen3_5Model, seqs: jax.Array, ancho
     rows = jnp.repeat(jnp.arange(B), A)
     labels = seqs[rows[:, None], positions]  # [B*A, bs]: the anchor token, then the block's targets
     block = labels.at[:, 1:].set(cfg.mask_token_id)
-    cache = KVCache(ctx_k[:, rows], ctx_v[:, rows])
+    cache = (KVCache(ctx_k[:, rows], ctx_v[:, rows]),)  # one full-attention run: the drafter trained here
     h = draft.block(target.embed(block), positions, cache, anchors.reshape(-1))
     logits = target.logits(h[:, 1:])
     ce = cross_entropy(logits, labels[:, 1:])  # [B*A, bs-1]

@@ -41,6 +41,8 @@ def init_rule(name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
         return "normal", 0.0, 0.5
     if name.endswith("embed_tokens.weight"):
         return "normal", 0.0, 1.0
+    if name.endswith("base_kernel"):  # DFlash2's convolution: O(1) taps
+        return "normal", 0.0, 0.5
     return "normal", 0.0, shape[-1] ** -0.5  # [.., out, in]: std 1/sqrt(fan_in)
 
 
@@ -144,29 +146,54 @@ def t2d_from_d2t(vocab: int, d2t: np.ndarray) -> np.ndarray:
     return t2d
 
 
+def layer_mask_keys(cfg) -> tuple[dict, dict]:
+    """The sliding-window keys of a block drafter's layers (what transformers' Qwen3Config reads)
+    and its dflash_config keys, from a DFlashConfig's `layer_types`, `use_swa` and window."""
+    if cfg.use_swa:
+        return ({"layer_types": list(cfg.layer_types)} if cfg.layer_types else {},
+                {"use_swa": True, "swa_window_size": cfg.sliding_window})
+    if not cfg.layer_types:
+        return {}, {}
+    window = {"sliding_window": cfg.sliding_window, "use_sliding_window": True} if cfg.sliding_window else {}
+    return {"layer_types": list(cfg.layer_types), **window}, {}
+
+
 def drafter_config_json(cfg, layout: str) -> dict:
     """The config.json of a block drafter in a published layout: "dflash" (z-lab), "dspark"
-    (native DeepSeek `Qwen3DSparkModel`) or "speculators" (vLLM Speculators' DSpark)."""
+    (native DeepSeek `Qwen3DSparkModel`) or "speculators" (vLLM Speculators' DSpark). Causality
+    (cfg.causal, None: by layer kind) is `is_causal` in the first two; Speculators' one flag,
+    `sliding_window_non_causal`, is true when cfg.causal is false (its full layers are never causal)."""
+    masks, swa = layer_mask_keys(cfg)
     layers = {
         "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
         "vocab_size": cfg.vocab_size, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **masks,
     }
+    causal = {} if cfg.causal is None else {"is_causal": cfg.causal}
     markov = {"markov_rank": cfg.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
               "confidence_head_with_markov": True}
     if layout == "dflash":
-        return {"architectures": ["DFlashDraftModel"], **layers, "is_causal": False,
-                "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-                                  "target_layer_ids": list(cfg.target_layer_ids)}}
+        dflash2 = {"conv_kernel_size": cfg.conv_kernel_size, "conv_group_size": cfg.conv_group_size,
+                   "selector_rank": cfg.selector_rank, "selector_top_k": cfg.selector_top_k}
+        scales = {k: getattr(cfg, k) for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+                  if getattr(cfg, k) not in (None, 1.0)}
+        return {"architectures": ["DFlash2DraftModel" if cfg.selector_rank else "DFlashDraftModel"], **layers,
+                **causal, "dflash_config": {"block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+                                            "target_layer_ids": list(cfg.target_layer_ids), **swa, **scales,
+                                            **(dflash2 if cfg.selector_rank else {})}}
     if layout == "dspark":
         draft_vocab = {"draft_vocab_size": cfg.draft_vocab_size} if cfg.reduced_vocab else {}
-        return {"architectures": ["Qwen3DSparkModel"], **layers, **markov, **draft_vocab,
+        return {"architectures": ["Qwen3DSparkModel"], **layers, **markov, **draft_vocab, **causal, **swa,
                 "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
                 "target_layer_ids": list(cfg.target_layer_ids)}
+    if swa:
+        raise ValueError("the Speculators layout has no use_swa; give the layers' kinds (layer_types)")
     return {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
             "transformer_layer_config": layers, **markov, "block_size": cfg.block_size,
             "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.output_vocab_size,
+            "sliding_window_non_causal": cfg.causal is False,
             "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # the hidden entering layer i + 1
             "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
                                    "proposal_methods": [{"proposal_type": "greedy",
@@ -225,6 +252,8 @@ def write_eagle3_checkpoint(out_dir: str | Path, cfg, *, seed: int = 0, midlayer
              "num_hidden_layers": 1, "num_attention_heads": cfg.num_attention_heads,
              "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
              "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta}
+    if cfg.sliding_window:  # a Llama layer config keeps its window as given
+        layer.update(layer_types=["sliding_attention"], sliding_window=cfg.sliding_window)
     config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
               "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size,
               "norm_before_residual": cfg.norm_before_residual, "target_hidden_size": cfg.target_hidden_size,
@@ -266,11 +295,13 @@ def random_drafter_config(method: str, target: Qwen3_5Config, *, layers: int = 5
 
 def write_random_drafter(method: str, target: Qwen3_5Config, out_dir: str | Path, *, layers: int = 5,
                          block_size: int | None = None, layout: str | None = None, seed: int = 0,
-                         dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> Path:
+                         dtype: str = "bfloat16", draft_vocab_size: int | None = None, **fields) -> Path:
     """A random drafter of `method` that fits `target` (`random_drafter_config`), in its published
-    layout; dspark's layout is "dspark" (native) or "speculators"."""
+    layout; dspark's layout is "dspark" (native) or "speculators". fields: drafter config fields
+    to set (layer_types, sliding_window, causal; DFlash2's conv_kernel_size, selector_rank)."""
     cfg = random_drafter_config(method, target, layers=layers, block_size=block_size,
                                 draft_vocab_size=draft_vocab_size)
+    cfg = dataclasses.replace(cfg, **fields)
     if method in ("dflash", "dspark"):
         return write_dflash_checkpoint(out_dir, cfg, seed=seed, layout=layout or method)
     if method == "eagle3":
@@ -284,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         python -m spec_jax.writing.random_checkpoint target DIR [--moe] [--text-only] [--seed N]
         python -m spec_jax.writing.random_checkpoint dflash|dspark|eagle3|draft_model DIR --target TARGET_DIR
             [--layers 2] [--block-size N] [--layout dspark|speculators] [--draft-vocab-size N]
+            [--layer-types sliding,sliding,full] [--sliding-window W] [--causal true|false] [--dflash2]
     """
     import argparse
 
@@ -301,7 +333,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layout", choices=["dspark", "speculators"], default=None, help="dspark: the published layout")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="dspark: a reduced draft vocabulary of N target ids (an lm_head of its own and d2t)")
+    ap.add_argument("--layer-types", type=lambda v: tuple(f"{k}_attention" for k in v.split(",")), default=None,
+                    help="dflash/dspark: each layer's kind, e.g. sliding,sliding,sliding,sliding,full")
+    ap.add_argument("--sliding-window", type=int, default=None,
+                    help="the sliding layers' window (eagle3: makes its midlayer sliding)")
+    ap.add_argument("--causal", choices=["true", "false"], default=None,
+                    help="dflash/dspark: every layer causal or not (default: the sliding layers are)")
+    ap.add_argument("--dflash2", action="store_true", help="dflash: z-lab's DFlash2 (convolutions, a selector)")
     args = ap.parse_args(argv)
+    fields = {k: v for k, v in (("layer_types", args.layer_types), ("sliding_window", args.sliding_window),
+                                ("causal", None if args.causal is None else args.causal == "true")) if v is not None}
+    block_fields = {"layer_types", "sliding_window", "causal"}
+    allowed = {"dflash": block_fields, "dspark": block_fields, "eagle3": {"sliding_window"}}.get(args.kind, set())
+    if set(fields) - allowed or (args.dflash2 and args.kind != "dflash"):
+        ap.error(f"{args.kind} takes none of --layer-types, --sliding-window, --causal, --dflash2 but "
+                 f"{', '.join(sorted(allowed)) or 'none'} (--dflash2: dflash only)")
+    if args.dflash2:
+        fields.update(conv_kernel_size=2, conv_group_size=16, selector_rank=64, selector_top_k=16)
     if args.kind == "target":
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
         cfg = Qwen3_5Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
@@ -314,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"{args.kind} needs --target TARGET_DIR (the drafter's geometry follows the target's)")
         write_random_drafter(args.kind, load_config(args.target), args.out, layers=args.layers,
                              block_size=args.block_size, layout=args.layout,
-                             seed=args.seed, dtype="float32", draft_vocab_size=args.draft_vocab_size)
+                             seed=args.seed, dtype="float32", draft_vocab_size=args.draft_vocab_size, **fields)
     print(f"wrote a random {args.kind} checkpoint to {args.out}")
 
 
