@@ -111,7 +111,8 @@ class LLM:
         inputs and re-run the accepted prefix). See BENCHMARKS.md for which is faster.
       tensor_parallel_size: devices to split the target over (a 1-D mesh; heads, MLP and expert
         channels and the vocabulary divided among them, `models/tensor_parallel.py`); the drafters
-        are copied whole to each. Must divide the head counts and the MLP width.
+        are copied whole to each. Must divide the head counts and the MLP width; a multiple of the KV
+        (or GDN key) heads above their count copies them (`models/head_copies.py`).
       enable_prefix_caching: keep prompt blocks so a prompt that starts like an earlier one resumes
         from the deepest cached block (`spec_jax/engine/prefix_cache.py`); output is bitwise the
         same with and without a hit, for plain decoding and every speculative method.
@@ -185,6 +186,7 @@ class LLM:
             quantize_projections(self.model, quantize_to)
         if self.mesh is not None and (loaded is not None or quantize_to is not None):
             shard_model(self.model, self.mesh)  # load_model placed what it loaded; these arrays are new
+            self.cfg = self.model.cfg  # with the heads it copied for the mesh
         tokenizer = self._tokenizer(tokenizer, gguf_file)
         self.engine = start_engine(self.model, config, draft=self._draft(spec), tokenizer=tokenizer,
                                    name=self.model_path, mesh=self.mesh)
