@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from models.qwen3_5 import Qwen3_5Model
 from models.tensor_parallel import make_mesh, shard_model
-from spec_jax.api.chat import ChatTemplate, ChatTokenizer, conversations
+from spec_jax.api.chat import ChatTemplate, ChatTokenizer, conversations, tokenizer_config
 from spec_jax.api.engine_args import check_quantization, checkpoint_methods
 from spec_jax.api.engine_args import resolve as resolve_engine_args
 from spec_jax.default_model import default_model_dir
@@ -402,10 +402,14 @@ class LLM:
         return template
 
     def get_tokenizer(self) -> ChatTokenizer:
-        """The checkpoint's tokenizer with its chat template (encode, decode, apply_chat_template)."""
+        """The checkpoint's tokenizer with its chat template, answering HF's common calls
+        (`ChatTokenizer`); one given to `set_tokenizer` is returned as given, as vLLM does."""
         if self.tokenizer is None:
             raise ValueError(f"{self.model_path} has no tokenizer.json (pass tokenizer= a file or directory)")
-        return ChatTokenizer(self.tokenizer, self.checkpoint_chat_template)
+        if not isinstance(self.tokenizer, Tokenizer):
+            return self.tokenizer
+        return ChatTokenizer(self.tokenizer, self.checkpoint_chat_template,
+                             tokenizer_config(self.model_path) if self.model_path else {})
 
     def get_metrics(self) -> list:
         """vLLM's `LLM.get_metrics()`: counters over this LLM's lifetime under vLLM's names
