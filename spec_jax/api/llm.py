@@ -356,7 +356,8 @@ class LLM:
             request_id = self.engine.next_request()
             metrics = mine[0][1] if len(mine) == 1 else {**mine[0][1], **merge_metrics([m for _, m in mine])}
             outputs.append(RequestOutput(str(request_id), text, ids, [c for c, _ in mine], metrics,
-                                         prompt_logprobs=self.engine.prompt_logprobs(ids, p)))
+                                         prompt_logprobs=self.engine.prompt_logprobs(ids, p),
+                                         num_cached_tokens=mine[0][1]["num_cached_tokens"]))
         self.metrics = aggregate_metrics(outputs)
         self.metrics["tokens_per_s"] = self.metrics["num_generated_tokens"] / (time.perf_counter() - t0)
         self.lifetime.add(outputs)
@@ -410,6 +411,11 @@ class LLM:
             return self.tokenizer
         return ChatTokenizer(self.tokenizer, self.checkpoint_chat_template,
                              tokenizer_config(self.model_path) if self.model_path else {})
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's `LLM.reset_prefix_cache()`: forget every cached prefix block (the lifetime
+        counters stay). False when prefix caching is off."""
+        return self.engine.reset_prefix_cache()
 
     def get_metrics(self) -> list:
         """vLLM's `LLM.get_metrics()`: counters over this LLM's lifetime under vLLM's names
