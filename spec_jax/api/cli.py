@@ -1,4 +1,4 @@
-"""`spec-jax` command line. Flags are spelled like vLLM's.
+"""`spec-jax` command line. Flags are spelled like vLLM's (underscores or dashes).
 
     spec-jax generate --model DIR --prompt "def fib(n):" --max-tokens 64
     spec-jax generate --prompt-token-ids 1,2,3 --temperature 0.8 --seed 1
@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from spec_jax.api.arg_parser import FlexibleArgumentParser
 from spec_jax.api.reasoning import REASONING_PARSERS
 from spec_jax.api.tool_parsers import TOOL_CALL_PARSERS
 
@@ -63,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spec-jax", description=__doc__.split("\n")[0])
+    parser = FlexibleArgumentParser(prog="spec-jax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one or more prompts")
     add_model_args(gen)

@@ -14,8 +14,8 @@ import argparse
 import dataclasses
 import inspect
 import json
-import sys
 
+from spec_jax.api.arg_parser import FlexibleArgumentParser
 from spec_jax.api.engine_args import VLLM_BOOL_ARGS, VLLM_ENGINE_ARGS
 from spec_jax.api.llm import LLM
 
@@ -98,19 +98,4 @@ def make_engine_args():
 
 EngineArgs = make_engine_args()
 
-
-class FlexibleArgumentParser(argparse.ArgumentParser):
-    """vLLM's argument parser: a flag may be spelt with underscores (`--max_model_len` is
-    `--max-model-len`), as vLLM's scripts and users write them."""
-
-    def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        return super().parse_known_args([dashed(a) for a in args], namespace)
-
-
-def dashed(arg: str) -> str:
-    """'--max_model_len=8' -> '--max-model-len=8'; anything that is not a long flag unchanged."""
-    if not arg.startswith("--"):
-        return arg
-    flag, eq, value = arg.partition("=")
-    return flag.replace("_", "-") + eq + value
+__all__ = ["EngineArgs", "FlexibleArgumentParser"]

@@ -1,5 +1,5 @@
 """`vllm.utils.argparse_utils`'s path: `FlexibleArgumentParser`."""
 
-from spec_jax.api.engine_cli import FlexibleArgumentParser
+from spec_jax.api.arg_parser import FlexibleArgumentParser
 
 __all__ = ["FlexibleArgumentParser"]

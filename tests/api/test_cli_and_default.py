@@ -42,7 +42,8 @@ def test_default_model_is_the_shipped_trained_one(capsys):
 
 
 def test_generate_command_stops_at_a_stop_string(capsys):
-    argv = ["generate", "--prompt", "import os", "--max-tokens", "16", "--max-model-len", "128", "--ignore-eos"]
+    # --max_tokens: vLLM's parser takes underscores as well as dashes
+    argv = ["generate", "--prompt", "import os", "--max_tokens", "16", "--max-model-len", "128", "--ignore-eos"]
     assert main(argv) == 0
     text = capsys.readouterr().out.split("--- prompt: 'import os'\n", 1)[1].rstrip("\n")
     stop = text[len(text) // 2:len(text) // 2 + 2]
