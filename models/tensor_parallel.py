@@ -14,6 +14,8 @@ Megatron's layout, with XLA's SPMD partitioner inserting the collectives:
   devices without a chosen expert idle at batch 1.
 - vocabulary-parallel embedding and lm_head (rows split); norms, the router, the shared-expert
   gate and the MTP head's `fc` replicated.
+- a degree above the KV heads (or the GDN key heads) that is a multiple of their count copies
+  each head first (`models/head_copies.py`, as vLLM does), so each device still holds whole heads.
 
 Concatenated outputs are grouped by device: `in_proj_qkv`'s rows [q | k | v] become
 [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (likewise the conv channels and the caches' conv windows, and
@@ -30,16 +32,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.layers import Linear, group_order
 from models.gated_deltanet import GatedDeltaNet
+from models.head_copies import COPIED, PER_ROW_SCALES, channel_axis, head_copies, widen_heads
+from models.layers import Linear, group_order
 from models.qwen3_5 import Qwen3_5Config, Qwen3_5Model
-from pallas_kernels.quant_formats import BLOCK
 from pallas_kernels.tensor_parallel import TP, on_axis
 
 COLUMN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("out_proj", "o_proj", "down_proj")
 HEAD_VECTORS = ("A_log", "dt_bias")  # one value per GDN value head: [..., nv]
-PER_ROW_SCALES = ("int8", "fp8")  # quantized formats with one scale per output channel
 
 
 def make_mesh(n: int) -> Mesh:
@@ -52,13 +53,22 @@ def make_mesh(n: int) -> Mesh:
 
 
 def check_divisible(cfg: Qwen3_5Config, n: int) -> None:
-    """ValueError naming the first config field a tensor-parallel degree n does not divide."""
+    """ValueError naming the first config field a tensor-parallel degree n does not divide; the
+    `COPIED` head counts may also be below n when n is a multiple of them (their heads are copied)."""
+    copies = head_copies(cfg, n)
     fields = ["num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads"]
     fields += ["moe_intermediate_size", "shared_expert_intermediate_size"] if cfg.is_moe else ["intermediate_size"]
     for name in fields:
-        if getattr(cfg, name) % n:
+        if getattr(cfg, name) * copies.get(name, 1) % n:
+            copies = " or a multiple of it (each device then holds a copy of a head)" if name in COPIED else ""
             raise ValueError(f"tensor_parallel_size={n} does not divide {name}={getattr(cfg, name)}: each device "
-                             f"must hold a whole share; use a tensor_parallel_size that divides it")
+                             f"must hold a whole share; use a tensor_parallel_size that divides it{copies}")
+
+
+def needs_copies(cfg: Qwen3_5Config, n: int) -> bool:
+    """Whether n devices copy some heads of `cfg` (`models/head_copies.py`): the model is then
+    read whole, copied and split, rather than split as it streams in."""
+    return any(r > 1 for r in head_copies(cfg, n).values())
 
 
 def grouped_sizes(path: tuple, cfg: Qwen3_5Config) -> tuple[int, ...] | None:
@@ -117,15 +127,8 @@ def regroup(value, path: tuple, fmt: str | None, cfg: Qwen3_5Config, shards: int
     sizes = grouped_sizes(path, cfg)
     if sizes is None or shards == 1:
         return value
-    name = path[-1]
-    if name in ("weight", "conv1d", "gate_up_proj"):
-        axis = -3 if name == "conv1d" else -2
-    elif fmt in PER_ROW_SCALES:
-        axis = -1
-    elif fmt == "fp8_block":
-        axis, sizes = -2, tuple(s // BLOCK for s in sizes)
-    else:
-        axis = -2
+    axis, per_entry = channel_axis(path[-1], fmt)
+    sizes = tuple(s // per_entry for s in sizes)
     if any(size % shards for size in sizes):  # fp8 scale blocks of 128 channels
         raise ValueError(f"tensor_parallel_size={shards} does not divide the parts {sizes} of "
                          f"{'.'.join(map(str, path))}; use a size that divides each")
@@ -150,10 +153,12 @@ def place_param(value, path: tuple, fmt: str | None, cfg: Qwen3_5Config, mesh: M
 def placement(mesh: Mesh):
     """For `fill_params`: given the (abstract) model being filled, marks it (`mark_parallel`) and
     returns the function that puts each parameter read from the checkpoint on the mesh
-    (`place_param`)."""
+    (`place_param`); one whose heads `shard_model` must copy first stays in host memory."""
 
     def for_model(model: Qwen3_5Model):
         check_divisible(model.cfg, mesh.shape[TP])
+        if needs_copies(model.cfg, mesh.shape[TP]):  # read whole into host memory; shard_model copies and splits
+            return lambda path, value: value
         formats = linear_formats(model)
         mark_parallel(model, mesh.shape[TP])  # the model filled is in the grouped layout
         return lambda path, value: place_param(value, path, formats.get(path[:-1]), model.cfg, mesh, regrouped=False)
@@ -163,11 +168,13 @@ def placement(mesh: Mesh):
 
 def shard_model(model: Qwen3_5Model, mesh: Mesh) -> Qwen3_5Model:
     """Put `model` on the tensor-parallel `mesh`, in place, and mark its modules (`mark_parallel`):
-    every parameter regrouped (unless the model already is: one a loader placed, or sharded
-    before) and split. Returns the model."""
+    heads copied where the degree exceeds their count (`widen_heads`), every parameter regrouped
+    (unless the model already is: one a loader placed, or sharded before) and split. Returns the
+    model."""
     shards = mesh.shape[TP]
     check_divisible(model.cfg, shards)
     formats, regrouped = linear_formats(model), model.shards == shards
+    widen_heads(model, shards, formats)
     state = nnx.state(model)
     placed = {}
     for keypath, value in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:

@@ -20,7 +20,10 @@ def configure_logging() -> None:
 
 configure_logging()
 
+from spec_jax.api.engine_cli import EngineArgs  # noqa: E402
 from spec_jax.api.llm import LLM  # noqa: E402
 from spec_jax.engine.params import CompletionOutput, Logprob, RequestOutput, SamplingParams  # noqa: E402
+from spec_jax.inputs import TextPrompt, TokensPrompt  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "TextPrompt",
+           "TokensPrompt"]

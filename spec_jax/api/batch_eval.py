@@ -3,10 +3,11 @@
     spec-jax bench --model DIR --input prompts.jsonl --speculative-config '{"method":"mtp","num_speculative_tokens":2}'
 
 Each input line is {"prompt": TEXT} or {"prompt_token_ids": [ids]}, optionally with max_tokens,
-temperature, top_p, top_k, seed, ignore_eos, and an "id" (a string or number) copied to its
-output line. The prompts run through `LLM.generate` in batches of max_num_seqs rows, shortest
-first so that a batch shares a prompt bucket; a warm-up pass of one token per prompt compiles
-every bucket first, so tokens/s is decode speed, not compilation. Outputs come back in input order.
+temperature, top_p, top_k, seed, ignore_eos, stop (a string or a list of them), stop_token_ids, and
+an "id" (a string or number) copied to its output line. The prompts run through `LLM.generate` in
+batches of max_num_seqs rows, shortest first so that a batch shares a prompt bucket; a warm-up pass
+of one token per prompt compiles every bucket first, so tokens/s is decode speed, not compilation.
+Outputs come back in input order.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from spec_jax.api.llm import LLM, RequestOutput, SamplingParams
 
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop", "stop_token_ids")
 LINE_KEYS = {"id", "prompt", "prompt_token_ids", *SAMPLING_KEYS}
 
 

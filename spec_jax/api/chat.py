@@ -138,33 +138,79 @@ def open_final_message(text: str, content: str) -> str:
 
 class ChatTokenizer:
     """The checkpoint's tokenizer with its chat template: what vLLM's `LLM.get_tokenizer()` gives,
-    an HF-style tokenizer (`encode`, `decode`, call, `apply_chat_template`)."""
+    answering the common calls of an HF tokenizer with HF's defaults (`encode` adds special tokens,
+    `decode` keeps them): `encode`, call, `decode`, `batch_decode`, `convert_ids_to_tokens`,
+    `convert_tokens_to_ids`, `apply_chat_template`, `len`, `vocab_size`, and the special tokens
+    tokenizer_config.json names (`eos_token` / `eos_token_id`, `pad_*`, `bos_*`; None if unnamed)."""
 
-    def __init__(self, tokenizer, template: ChatTemplate | None):
+    def __init__(self, tokenizer, template: ChatTemplate | None, config: dict | None = None):
         self.tokenizer, self.template = tokenizer, template
+        self.config = config or {}
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens)
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
+        """{"input_ids": ids} for one text, a list of id lists for a list of texts."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
 
-    def __call__(self, text: str) -> dict:
-        return {"input_ids": self.encode(text)}
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens)
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
+        """A token id's vocabulary string (a list of them for a list of ids)."""
+        if isinstance(ids, int):
+            return self.tokenizer.hf.id_to_token(ids)
+        return [self.tokenizer.hf.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """A vocabulary string's id, None if it is none (a list of them for a list of strings)."""
+        if isinstance(tokens, str):
+            return self.tokenizer.hf.token_to_id(tokens)
+        return [self.tokenizer.hf.token_to_id(t) for t in tokens]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.tokenizer.hf.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.tokenizer.hf.get_vocab_size(with_added_tokens=True)
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.hf.get_vocab_size()
+        return self.tokenizer.hf.get_vocab_size(with_added_tokens=True)
+
+    def _special(self, name: str) -> str | None:
+        return special_token_text(self.config, name) or None
+
+    eos_token = property(lambda self: self._special("eos_token"))
+    pad_token = property(lambda self: self._special("pad_token"))
+    bos_token = property(lambda self: self._special("bos_token"))
+    eos_token_id = property(lambda self: self._special_id("eos_token"))
+    pad_token_id = property(lambda self: self._special_id("pad_token"))
+    bos_token_id = property(lambda self: self._special_id("bos_token"))
+
+    def _special_id(self, name: str) -> int | None:
+        token = self._special(name)
+        return None if token is None else self.convert_tokens_to_ids(token)
 
     def apply_chat_template(self, conversation: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
-                            **kwargs) -> str | list[int]:
-        """HF's signature: the rendered prompt, as token ids unless tokenize=False; other keywords
-        reach the template (enable_thinking, tools, ...)."""
+                            return_dict: bool = False, **kwargs) -> str | list[int] | dict:
+        """HF's signature: the rendered prompt, as token ids unless tokenize=False (as
+        {"input_ids": ids} with return_dict); other keywords reach the template (enable_thinking,
+        tools, ...)."""
         if self.template is None:
             raise ValueError("this checkpoint has no chat template (no chat_template in its tokenizer_config.json, "
                              "no chat_template.jinja)")
         text = self.template.render(conversation, {"add_generation_prompt": add_generation_prompt, **kwargs})
-        return self.encode(text) if tokenize else text
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)  # the template writes the special tokens itself
+        return {"input_ids": ids} if return_dict else ids
 
 
 CONVERSATION_FORMS = "a non-empty list of {role, content} dicts, or a list of such lists"

@@ -1,4 +1,4 @@
-"""`spec-jax` command line. Flags are spelled like vLLM's.
+"""`spec-jax` command line. Flags are spelled like vLLM's (underscores or dashes).
 
     spec-jax generate --model DIR --prompt "def fib(n):" --max-tokens 64
     spec-jax generate --prompt-token-ids 1,2,3 --temperature 0.8 --seed 1
@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from spec_jax.api.arg_parser import FlexibleArgumentParser
 from spec_jax.api.reasoning import REASONING_PARSERS
 from spec_jax.api.tool_parsers import TOOL_CALL_PARSERS
 
@@ -63,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spec-jax", description=__doc__.split("\n")[0])
+    parser = FlexibleArgumentParser(prog="spec-jax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one or more prompts")
     add_model_args(gen)
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="a string that ends a completion (repeat for several); the text ends before it")
     gen.add_argument("--stop-token-ids", type=integer_list, default=None, help="comma-separated extra stop token ids")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--compare", action="store_true",
@@ -176,7 +179,8 @@ def generate(args) -> None:
             print("NOTE: no --model given: using the embedded default model. Its weights are RANDOM, "
                   "so its text is noise; pass --model DIR for a real checkpoint.", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+                            top_p=args.top_p, stop=args.stop, stop_token_ids=args.stop_token_ids,
+                            ignore_eos=args.ignore_eos)
     if args.compare and args.speculative_config is None:
         raise ValueError("--compare needs --speculative-config (it compares speculation on with off)")
     llm = load_llm(args)

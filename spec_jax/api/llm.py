@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from models.qwen3_5 import Qwen3_5Model
 from models.tensor_parallel import make_mesh, shard_model
-from spec_jax.api.chat import ChatTemplate, ChatTokenizer, conversations
+from spec_jax.api.chat import ChatTemplate, ChatTokenizer, conversations, tokenizer_config
 from spec_jax.api.engine_args import check_quantization, checkpoint_methods
 from spec_jax.api.engine_args import resolve as resolve_engine_args
 from spec_jax.default_model import default_model_dir
@@ -111,7 +111,8 @@ class LLM:
         inputs and re-run the accepted prefix). See BENCHMARKS.md for which is faster.
       tensor_parallel_size: devices to split the target over (a 1-D mesh; heads, MLP and expert
         channels and the vocabulary divided among them, `models/tensor_parallel.py`); the drafters
-        are copied whole to each. Must divide the head counts and the MLP width.
+        are copied whole to each. Must divide the head counts and the MLP width; a multiple of the KV
+        (or GDN key) heads above their count copies them (`models/head_copies.py`).
       enable_prefix_caching: keep prompt blocks so a prompt that starts like an earlier one resumes
         from the deepest cached block (`spec_jax/engine/prefix_cache.py`); output is bitwise the
         same with and without a hit, for plain decoding and every speculative method.
@@ -185,6 +186,7 @@ class LLM:
             quantize_projections(self.model, quantize_to)
         if self.mesh is not None and (loaded is not None or quantize_to is not None):
             shard_model(self.model, self.mesh)  # load_model placed what it loaded; these arrays are new
+            self.cfg = self.model.cfg  # with the heads it copied for the mesh
         tokenizer = self._tokenizer(tokenizer, gguf_file)
         self.engine = start_engine(self.model, config, draft=self._draft(spec), tokenizer=tokenizer,
                                    name=self.model_path, mesh=self.mesh)
@@ -354,7 +356,8 @@ class LLM:
             request_id = self.engine.next_request()
             metrics = mine[0][1] if len(mine) == 1 else {**mine[0][1], **merge_metrics([m for _, m in mine])}
             outputs.append(RequestOutput(str(request_id), text, ids, [c for c, _ in mine], metrics,
-                                         prompt_logprobs=self.engine.prompt_logprobs(ids, p)))
+                                         prompt_logprobs=self.engine.prompt_logprobs(ids, p),
+                                         num_cached_tokens=mine[0][1]["num_cached_tokens"]))
         self.metrics = aggregate_metrics(outputs)
         self.metrics["tokens_per_s"] = self.metrics["num_generated_tokens"] / (time.perf_counter() - t0)
         self.lifetime.add(outputs)
@@ -400,10 +403,19 @@ class LLM:
         return template
 
     def get_tokenizer(self) -> ChatTokenizer:
-        """The checkpoint's tokenizer with its chat template (encode, decode, apply_chat_template)."""
+        """The checkpoint's tokenizer with its chat template, answering HF's common calls
+        (`ChatTokenizer`); one given to `set_tokenizer` is returned as given, as vLLM does."""
         if self.tokenizer is None:
             raise ValueError(f"{self.model_path} has no tokenizer.json (pass tokenizer= a file or directory)")
-        return ChatTokenizer(self.tokenizer, self.checkpoint_chat_template)
+        if not isinstance(self.tokenizer, Tokenizer):
+            return self.tokenizer
+        return ChatTokenizer(self.tokenizer, self.checkpoint_chat_template,
+                             tokenizer_config(self.model_path) if self.model_path else {})
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's `LLM.reset_prefix_cache()`: forget every cached prefix block (the lifetime
+        counters stay). False when prefix caching is off."""
+        return self.engine.reset_prefix_cache()
 
     def get_metrics(self) -> list:
         """vLLM's `LLM.get_metrics()`: counters over this LLM's lifetime under vLLM's names

@@ -151,6 +151,13 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block (the store's counters stay); False when caching is off."""
+        if self.prefix_cache is None:
+            return False
+        self.prefix_cache.clear()
+        return True
+
     def new_store(self) -> PrefixCache | None:
         """A new, empty prefix store (None when prefix caching is off). Its root key names what its
         blocks depend on: the model, its dtype, the speculative config, the block size and mode."""
@@ -332,6 +339,8 @@ class EngineCore:
         do_sample = batch.do_sample if do_sample is None else do_sample
         if num_logprobs is None:
             num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if self.prefix_cache is not None:
+            self.prefix_cache.take_found()  # from here on its lookups are this batch's rows'
         state = self.runner.prefill(self.plan, self.prefix_cache, *batch.inputs(), batch.speculate, do_sample,
                                     num_logprobs)
         return self._with_plan_data(state, batch, do_sample), do_sample, batch.stops
@@ -376,6 +385,7 @@ class EngineCore:
         """One batch of rows to the end: each row's (CompletionOutput, metrics)."""
         t0 = time.perf_counter()
         state, do_sample, stops = self.start(ids, params)
+        cached = self.prefix_cache.take_found() if self.prefix_cache is not None else [0] * len(ids)  # row order
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
         state = self.decode(state, self.max_model_len, do_sample)
@@ -390,6 +400,7 @@ class EngineCore:
                 self._attach_logprobs(out, logprobs, i, len(ids[i]), p)
             metrics = request_metrics(len(ids[i]), len(out.token_ids), t1 - t0, t2 - t1, stats, i)
             metrics["batch_decode_steps"] = int(steps)
+            metrics["num_cached_tokens"] = cached[i]  # prompt tokens resumed from the prefix cache
             results.append((out, metrics))
         return results
 

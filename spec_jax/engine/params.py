@@ -305,3 +305,4 @@ class RequestOutput:
     metrics: dict
     finished: bool = True
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0  # prompt tokens resumed from the prefix cache (vLLM's)

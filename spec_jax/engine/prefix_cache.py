@@ -88,6 +88,7 @@ class PrefixCache:
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of those, tokens found cached (prefix_cache_hits)
         self.host_hits = 0  # of those, tokens copied back from host memory
+        self.found_tokens: list[int] = []  # tokens each lookup found cached, in order, until `take_found`
 
     @property
     def budget_bytes(self) -> int:
@@ -121,6 +122,7 @@ class PrefixCache:
         counts as a query of its tokens (a shorter one can never hit), its cached blocks' tokens
         as hits. keys: `keys(tokens)` if the caller has them already."""
         if len(tokens) <= self.block_size:
+            self.found_tokens.append(0)
             return []
         keys = self.keys(tokens) if keys is None else keys
         seen, found = [], []  # found: the blocks themselves, as a copy back may evict ones found earlier
@@ -140,7 +142,19 @@ class PrefixCache:
         self.touch(seen)
         self.queries += len(tokens)
         self.hits += len(found) * self.block_size
+        self.found_tokens.append(len(found) * self.block_size)
         return found
+
+    def take_found(self) -> list[int]:
+        """The tokens each lookup since the last call found cached (a request's vLLM
+        num_cached_tokens), in lookup order; starts the next list."""
+        found, self.found_tokens = self.found_tokens, []
+        return found
+
+    def clear(self) -> None:
+        """Drop every block, on the device and in host memory (vLLM's reset_prefix_cache); the
+        lifetime counters stay."""
+        self.device, self.host = Tier(self.device.budget_bytes), Tier(self.host.budget_bytes)
 
     def room(self, block: Block) -> int:
         """How many blocks of this one's size the device and host budgets hold."""

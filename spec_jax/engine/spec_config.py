@@ -26,8 +26,19 @@ MTP_ALIASES = ("deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm
                "qwen4_exp_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "bailing_hybrid_v3_mtp", "minimax_m3_mtp",
                "bailing_hybrid_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp", "step3p5_mtp", "hy_v3_mtp", "hy_v4_mtp",
                "gemma4_mtp", "inkling_mtp", "glm5_next_mtp")  # all fold into "mtp"
-METHOD_ALIASES = {**{a: "mtp" for a in MTP_ALIASES}, "[ngram]": "ngram"}
+# "ngram_gpu" is vLLM's prompt lookup run on the GPU, which is what "ngram" is here.
+METHOD_ALIASES = {**{a: "mtp" for a in MTP_ALIASES}, "[ngram]": "ngram", "ngram_gpu": "ngram"}
 IMPLEMENTED_METHODS = ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "oracle")
+# vLLM's methods not built, each with what to use instead.
+INSTEAD = {
+    "eagle": "EAGLE-1/2 heads (one layer over the target's last hidden state) are not loaded; use 'eagle3' with "
+             "an EAGLE-3 head (Speculators layout), or 'mtp' with the target's own MTP head",
+    "medusa": "Medusa heads are not loaded; use 'mtp' (the target's own MTP head) or 'eagle3'",
+    "mlp_speculator": "MLP speculators are not loaded; use 'mtp' (the target's own MTP head) or 'eagle3'",
+    "suffix": "suffix-tree decoding is not built; use 'ngram' (prompt lookup on the device)",
+    "custom_class": "no proposer class is imported from outside; use one of the built-in methods",
+    "extract_hidden_states": "it drafts nothing; hidden states are not exported",
+}
 NEEDS_MODEL = ("draft_model", "eagle3", "dflash", "dspark")  # methods whose drafter is a separate checkpoint
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -386,7 +397,7 @@ def parse_speculative_config(spec: dict | str | None, *, target_model: str | Non
                          f"a NUL byte")
     method = _resolve_method(raw)
     if method not in IMPLEMENTED_METHODS:
-        raise ValueError(f"speculative method {method!r} is not implemented yet; "
+        raise ValueError(f"speculative method {method!r} is not implemented: {INSTEAD[method]}; "
                          f"implemented: {', '.join(IMPLEMENTED_METHODS)}")
     fields = {key: value for key, value in raw.items() if key in FIELD_NAMES}
     fields["method"] = method

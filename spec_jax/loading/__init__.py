@@ -8,7 +8,7 @@ import os
 
 from jax.sharding import Mesh
 
-from models.tensor_parallel import check_divisible, placement, shard_model
+from models.tensor_parallel import check_divisible, needs_copies, placement, shard_model
 from spec_jax.loading.gguf import find_gguf, load_gguf
 from spec_jax.loading.orbax import is_converted, restore
 from spec_jax.loading.safetensors import load_params
@@ -25,18 +25,21 @@ def load_model(model_dir: str | os.PathLike, dtype="float32", *, progress: bool 
     directory holding one and no safetensors) is read by `loading.gguf`.
 
     mesh: a tensor-parallel mesh (`models.tensor_parallel.make_mesh`) to split the model over as
-    it loads: each device receives only its slices (Orbax restores them directly)."""
+    it loads: each device receives only its slices (Orbax restores them directly). A mesh wider
+    than the KV heads (or GDN key heads) copies them: the weights are then read into host memory
+    whole, copied and split (`models/head_copies.py`)."""
     place = placement(mesh) if mesh is not None else None
     gguf_file = find_gguf(model_dir)
     if gguf_file is not None:
         model, cfg = load_gguf(gguf_file, resolve_dtype(dtype), progress=progress, placement=place)
     elif is_converted(model_dir):
-        model, cfg = restore(model_dir, dtype if isinstance(dtype, str) else None, mesh=mesh)
+        copies = mesh is not None and needs_copies(load_config(model_dir), mesh.shape[TP])
+        model, cfg = restore(model_dir, dtype if isinstance(dtype, str) else None, mesh=None if copies else mesh)
     else:
         cfg = load_config(model_dir)
         if mesh is not None:
             check_divisible(cfg, mesh.shape[TP])  # before reading any weight
         model, cfg = load_params(model_dir, cfg, resolve_dtype(dtype), progress=progress, placement=place)
     if mesh is not None:
-        shard_model(model, mesh)  # regroups what Orbax restored; the streamed formats are in place already
-    return model, cfg
+        shard_model(model, mesh)  # copies heads, regroups what was read whole; streamed formats are in place
+    return model, model.cfg

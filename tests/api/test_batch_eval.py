@@ -77,11 +77,13 @@ def test_a_bad_line_is_named(tiny_llm, tmp_path, bad, message):
 def test_per_line_settings_override_the_defaults(tiny_llm, tmp_path):
     src = tmp_path / "p.jsonl"
     src.write_text('{"prompt_token_ids": [1]}\n{"prompt_token_ids": [2], "max_tokens": 3, "temperature": 0.5, '
-                   '"top_p": 0.9, "top_k": 7, "seed": 11, "ignore_eos": true, "id": 5}\n')
+                   '"top_p": 0.9, "top_k": 7, "seed": 11, "ignore_eos": true, "id": 5, "stop": ["\\n\\n", "x"], '
+                   '"stop_token_ids": [4]}\n')
     a, b = read_requests(tiny_llm, src, max_tokens=8, temperature=0.0)
-    assert (a.params.max_tokens, a.params.temperature, a.id) == (8, 0.0, None)
+    assert (a.params.max_tokens, a.params.temperature, a.params.stop, a.id) == (8, 0.0, None, None)
     assert (b.params.max_tokens, b.params.temperature, b.params.top_p, b.params.top_k, b.params.seed,
-            b.params.ignore_eos, b.id, b.line) == (3, 0.5, 0.9, 7, 11, True, 5, 2)
+            b.params.ignore_eos, b.params.stop, b.params.stop_token_ids, b.id, b.line) == (
+        3, 0.5, 0.9, 7, 11, True, ["\n\n", "x"], [4], 5, 2)
 
 
 def test_an_empty_file_is_refused(tiny_llm, tmp_path):

@@ -41,6 +41,18 @@ def test_default_model_is_the_shipped_trained_one(capsys):
     assert "RANDOM" not in capsys.readouterr().err  # that note is for the random fallback only
 
 
+def test_generate_command_stops_at_a_stop_string(capsys):
+    # --max_tokens: vLLM's parser takes underscores as well as dashes
+    argv = ["generate", "--prompt", "import os", "--max_tokens", "16", "--max-model-len", "128", "--ignore-eos"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out.split("--- prompt: 'import os'\n", 1)[1].rstrip("\n")
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert main([*argv, "--stop", "never in it", "--stop", stop]) == 0
+    out, err = capsys.readouterr()
+    assert out.split("--- prompt: 'import os'\n", 1)[1].rstrip("\n") == text[:text.find(stop)]
+    assert "finish=stop" in err
+
+
 def test_generate_command_speculates(capsys):
     ref = np.load(HF_FIXTURES / "dense_vl" / "reference.npz")
     ids = ",".join(map(str, ref["prompt_ids"].tolist()))

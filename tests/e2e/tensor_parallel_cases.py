@@ -108,9 +108,12 @@ def test_every_format_loads_each_devices_slice(checkpoints, one_device_logits, t
 
 
 def test_sizes_the_devices_do_not_divide_are_refused(tmp_path):
-    d = write_checkpoint(tmp_path / "tiny", TINY)  # two KV heads
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide num_key_value_heads=2"):
+    three = dataclasses.replace(DENSE, num_attention_heads=12, num_key_value_heads=3)  # 4 is no multiple of 3
+    d = write_checkpoint(tmp_path / "three", three)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide num_key_value_heads=3: .* or a "
+                                         "multiple of it"):
         LLM(str(d), tensor_parallel_size=4, **ARGS)
+    d = write_checkpoint(tmp_path / "tiny", TINY)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=8 must be an integer from 1 to the 4 cpu device"):
         LLM(str(d), tensor_parallel_size=8, **ARGS)
 

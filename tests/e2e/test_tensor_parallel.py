@@ -10,15 +10,16 @@ import pytest
 
 from spec_jax import LLM
 
-CASES = Path(__file__).parent / "tensor_parallel_cases.py"
+HERE = Path(__file__).parent
 
 
-def test_on_four_cpu_devices():
+@pytest.mark.parametrize("cases, devices", [("tensor_parallel_cases.py", 4), ("head_copies_cases.py", 8)])
+def test_on_cpu_devices(cases, devices):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     # From the repository root: in tests/ the test folders proposers/ and models/ would shadow the packages
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)], env=env,
-                         cwd=CASES.parents[2], capture_output=True, text=True, timeout=1200)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / cases)],
+                         env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
 
 

@@ -129,6 +129,26 @@ def test_greedy_with_caching_equals_caching_off(tiny_llm, cached_llm):
     assert outs[0] == outs[1]
 
 
+def test_each_request_says_the_tokens_it_reused_and_reset_forgets_them(tiny_llm, cached_llm):
+    """vLLM's RequestOutput.num_cached_tokens per request, and LLM.reset_prefix_cache()."""
+    def run(prompts):
+        outs = cached_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        return [o.num_cached_tokens for o in outs], [o.outputs[0].token_ids for o in outs]
+
+    assert cached_llm.reset_prefix_cache() is True
+    assert run([A])[0] == [0]
+    # A resumes from its own two blocks; PROMPTS[1] from A's first; a prompt of one block cannot hit
+    cached, tokens = run([A, PROMPTS[1], A[:40]])
+    assert cached == [2 * BLOCK, BLOCK, 0]
+    queries, hits = cached_llm.engine.prefix_cache.queries, cached_llm.engine.prefix_cache.hits
+    assert cached_llm.reset_prefix_cache() is True  # A's blocks now come from its own row, run first
+    assert run([A, PROMPTS[1], A[:40]]) == ([0, BLOCK, 0], tokens)
+    assert (cached_llm.engine.prefix_cache.queries, cached_llm.engine.prefix_cache.hits) == (queries + 280,
+                                                                                               hits + BLOCK)
+    assert tiny_llm.reset_prefix_cache() is False
+    assert tiny_llm.generate(prompt_token_ids=[A], sampling_params=GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
 def test_multi_turn_chat_hits_each_earlier_turn(cached_llm):
     """Each turn's prompt is the last turn's prompt, its answer and a new message: it resumes
     from the blocks the last turn's prefill kept; tokens equal those with nothing cached."""
@@ -268,8 +288,9 @@ def test_the_scheduler_reuses_a_slot_with_a_hit_and_reports_it(tiny_dir):
         scheduler.shutdown()
     assert got == want
     assert stats["prefix_cache_hits"] == 2 * BLOCK and stats["prefix_cache_queries"] == 130 + 133
-    text = prometheus_text(stats)
-    assert "spec_jax_prefix_cache_hits_total 128" in text and "spec_jax_prefix_cache_queries_total 263" in text
+    text = prometheus_text(stats, "tiny")
+    assert 'vllm:prefix_cache_hits_total{model_name="tiny"} 128' in text
+    assert 'vllm:prefix_cache_queries_total{model_name="tiny"} 263' in text
     names = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     assert names["vllm:prefix_cache_hits"] == 128
 

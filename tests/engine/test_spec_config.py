@@ -2,12 +2,13 @@
 
 import dataclasses
 import json
+import re
 import warnings
 
 import pytest
 
-from spec_jax.engine.spec_config import (IMPLEMENTED_METHODS, MTP_ALIASES, VLLM_METHODS, SpeculativeConfig,
-                                         canonical_method, infer_method, parse_speculative_config)
+from spec_jax.engine.spec_config import (IMPLEMENTED_METHODS, INSTEAD, METHOD_ALIASES, MTP_ALIASES, VLLM_METHODS,
+                                         SpeculativeConfig, canonical_method, infer_method, parse_speculative_config)
 
 
 def parse(spec, **kwargs):
@@ -81,7 +82,7 @@ def test_oracle():
 def test_all_thirteen_vllm_methods_are_known():
     assert len(VLLM_METHODS) == 13
     for method in VLLM_METHODS:
-        assert canonical_method(method) == method
+        assert canonical_method(method) == ("ngram" if method == "ngram_gpu" else method)
     assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "oracle")
 
 
@@ -119,7 +120,7 @@ def test_inferred_ngram_parses():
 
 @pytest.mark.parametrize("model, method", [("pkg.Prop", "custom_class"), ("yuhuili/EAGLE-LLaMA3-Instruct-8B", "eagle")])
 def test_inferred_method_not_implemented(model, method):
-    with pytest.raises(ValueError, match=f"speculative method '{method}' is not implemented yet"):
+    with pytest.raises(ValueError, match=f"speculative method '{method}' is not implemented: "):
         parse({"model": model, "num_speculative_tokens": 3})
 
 
@@ -135,11 +136,23 @@ def test_no_method_no_model():
 
 # ----------------------------------------------------------------------------- refusals
 
-@pytest.mark.parametrize("method", [m for m in VLLM_METHODS if m not in IMPLEMENTED_METHODS])
-def test_unimplemented_methods(method):
-    msg = f"speculative method '{method}' is not implemented yet; implemented: {', '.join(IMPLEMENTED_METHODS)}"
+@pytest.mark.parametrize("method", [m for m in VLLM_METHODS if m not in IMPLEMENTED_METHODS + ("ngram_gpu",)])
+def test_unimplemented_methods_say_what_to_use_instead(method):
+    msg = (f"speculative method '{method}' is not implemented: {re.escape(INSTEAD[method])}; implemented: "
+           f"{', '.join(IMPLEMENTED_METHODS)}")
     with pytest.raises(ValueError, match=msg):
         parse({"method": method, "num_speculative_tokens": 2, "model": "m"})
+
+
+def test_every_vllm_method_works_or_says_what_to_use():
+    canonical = {METHOD_ALIASES.get(m, m) for m in VLLM_METHODS}
+    assert canonical - set(IMPLEMENTED_METHODS) == INSTEAD.keys()
+    assert "eagle3" in INSTEAD["eagle"]
+
+
+def test_ngram_gpu_is_the_device_ngram():
+    cfg = parse({"method": "ngram_gpu", "num_speculative_tokens": 3})
+    assert (cfg.method, cfg.prompt_lookup_max) == ("ngram", 5)
 
 
 def test_unknown_method_lists_accepted():

@@ -1,0 +1,1 @@
+"""`vllm.v1.metrics`'s path (`reader`)."""
