@@ -1,0 +1,167 @@
+"""The host side of structured output: one llguidance matcher per constrained row, kept in step
+with the tokens the device writes, and the token masks the step verifies against.
+
+The step (`spec_jax.engine.step`) calls `GrammarRows.step` once per step from inside the compiled
+program (a host callback), after the proposer drafted and before the target's logits are read:
+
+- each row's matcher first consumes the tokens the previous step wrote (only accepted tokens are
+  ever consumed, so nothing needs undoing after a rejection);
+- the drafts are walked through a copy of the grammar state: a draft the grammar forbids ends the
+  row's drafts there (it could only be rejected), and where the grammar forces tokens (llguidance's
+  fast-forward tokens: the canonical tokens of the bytes every continuation starts with) they are
+  proposed as drafts, in place of a forbidden draft or past the proposer's last one;
+- the mask of each verify position is the grammar's after the drafts before it, computed for all
+  rows in parallel by llguidance, which rolls its matchers back to the accepted state itself.
+
+Rows of the batch without a grammar get masks of all ones. Compiled grammars are cached per grammar
+text, so a schema is compiled once however many requests use it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+
+from spec_jax.engine.structured import StructuredOutputsParams, grammar_text
+
+CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used go first)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of a token bitmask over vocab_size tokens (bit t % 32 of word t // 32)."""
+    return (vocab_size + 31) // 32
+
+
+@dataclasses.dataclass
+class Row:
+    """One constrained row: its matcher, where its generated tokens start in the row's buffer
+    (None until the first step sees the row) and how many of them the matcher has consumed."""
+
+    matcher: llguidance.LLMatcher
+    start: int | None = None
+    consumed: int = 0
+
+
+class GrammarRows:
+    """The matchers of an engine's constrained rows (see the module's docstring). Hashable by
+    identity: the compiled programs that call it are keyed by it."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos: int, threads: int | None = None):
+        """tokenizer_json: the checkpoint's tokenizer.json text; vocab_size: the model's (masks
+        cover it; ids past the tokenizer's are never allowed); eos: the token a finished grammar allows."""
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        self.executor = llguidance.LLExecutor(threads)
+        self.words = mask_words(vocab_size)
+        self.compiled: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
+        self.compiles = 0  # grammars compiled so far (a cache miss each)
+        self.rows: dict[int, Row] = {}
+        self.next_id = 0
+        self.lock = threading.Lock()
+
+    def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher of the request's grammar, from the compiled one cached under its text;
+        ValueError with llguidance's message for a grammar it cannot compile."""
+        text = grammar_text(params)
+        with self.lock:
+            pristine = self.compiled.get(text)
+            if pristine is not None:
+                self.compiled.move_to_end(text)
+                return pristine.deep_copy()
+        pristine = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if pristine.is_error():
+            raise ValueError(f"structured outputs: the {params.kind} constraint does not compile: "
+                             f"{pristine.get_error()}")
+        with self.lock:
+            self.compiles += 1
+            self.compiled[text] = pristine
+            while len(self.compiled) > CACHED_GRAMMARS:
+                self.compiled.popitem(last=False)
+        return pristine.deep_copy()
+
+    def add(self, params: StructuredOutputsParams) -> int:
+        """Start a constrained row; returns its id (what the row's `RowSampling.grammar` holds)."""
+        row = Row(self.matcher(params))
+        with self.lock:
+            self.next_id += 1
+            self.rows[self.next_id - 1] = row
+            return self.next_id - 1
+
+    def release(self, ids) -> None:
+        """Forget finished rows (ids < 0 and unknown ids are skipped)."""
+        with self.lock:
+            for i in ids:
+                self.rows.pop(int(i), None)
+
+    def step(self, ids, lengths, recent, drafts, n_draft, limit):
+        """One step's grammar work, called from the compiled step.
+
+        ids [B] int32 (-1: no grammar, or a finished row); lengths [B] tokens in each row's buffer;
+        recent [B, R] its last R tokens (those written since the previous call among them);
+        drafts [B, k] and n_draft [B] the proposer's; limit [B] the most drafts a row may verify.
+        Returns masks [B, k+1, W] int32 (position j: after the row's first j drafts), and the
+        drafts [B, k], n_draft [B] to verify (cut at a forbidden draft, forced tokens proposed).
+        """
+        B, k = drafts.shape
+        masks = np.full((B * (k + 1), self.words), -1, np.int32)
+        drafts, n_draft = np.array(drafts, np.int32), np.array(n_draft, np.int32)
+        walks, heads = [], []  # rows with drafts to walk; rows with none (llguidance takes them apart)
+        with self.lock:
+            rows = [(b, self.rows.get(int(i))) for b, i in enumerate(ids) if i >= 0]
+        for b, row in rows:
+            if row is None:
+                raise RuntimeError(f"batch row {b} holds grammar id {int(ids[b])}, which no request owns")
+            self._catch_up(row, int(lengths[b]), recent[b])
+            chain = self._walk(row.matcher, drafts[b, :n_draft[b]].tolist(), min(int(limit[b]), k))
+            drafts[b, :len(chain)] = chain
+            n_draft[b] = len(chain)
+            if chain:
+                walks.append((row.matcher, b * (k + 1), chain))
+            else:
+                heads.append((row.matcher, b * (k + 1)))
+        if walks:
+            fill_next_token_bitmask_par_with_draft_tokens(self.executor, walks, masks)
+        if heads:
+            fill_next_token_bitmask_par(self.executor, heads, masks)
+        return masks.reshape(B, k + 1, self.words), drafts, n_draft
+
+    def _catch_up(self, row: Row, length: int, recent: np.ndarray) -> None:
+        """Consume the tokens written since the row's matcher last saw it: those of the buffer from
+        start + consumed up to length, the tail of recent."""
+        if row.start is None:
+            row.start = length  # the first call comes before any token is generated
+        new = length - row.start - row.consumed
+        if new > len(recent):
+            raise RuntimeError(f"{new} tokens were written since the grammar's last step; at most {len(recent)} "
+                               f"expected")
+        if new <= 0:
+            return
+        tokens = recent[len(recent) - new:].tolist()
+        row.consumed += new
+        if row.matcher.is_stopped():  # the grammar ended (its EOS consumed): later tokens are past it
+            return
+        if not row.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"a constrained row wrote tokens {tokens} its grammar forbids: "
+                               f"{row.matcher.get_error()}")
+
+    @staticmethod
+    def _walk(matcher: llguidance.LLMatcher, drafts: list[int], limit: int) -> list[int]:
+        """The drafts to verify: the proposer's while the grammar allows them, the grammar's forced
+        tokens where it forbids one or past the last, at most `limit`. The matcher ends where it began."""
+        chain: list[int] = []
+        while len(chain) < limit and not matcher.is_stopped():
+            j = len(chain)
+            if j < len(drafts) and matcher.try_consume_tokens([drafts[j]]) == 1:
+                chain.append(drafts[j])
+                continue
+            forced = matcher.compute_ff_tokens()[:limit - j]
+            if not forced or not matcher.consume_tokens(forced):
+                break
+            chain += forced
+        if chain:
+            matcher.rollback(len(chain))
+        return chain
