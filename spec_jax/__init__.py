@@ -22,5 +22,7 @@ configure_logging()
 
 from spec_jax.api.llm import LLM  # noqa: E402
 from spec_jax.engine.params import CompletionOutput, Logprob, RequestOutput, SamplingParams  # noqa: E402
+from spec_jax.engine.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "StructuredOutputsParams",
+           "GuidedDecodingParams"]

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 
 import llguidance
-
-log = logging.getLogger("spec_jax")
 
 # The constraint kinds, of which a request sets exactly one.
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

@@ -1,0 +1,91 @@
+"""Structured output with speculation on, on the default model (its real 8192-token tokenizer, so
+the grammar masks are the ones a deployment computes): greedy output equals speculation off for
+every method, alone and beside unconstrained rows; sampled output keeps the constrained
+distribution; drafts the grammar forbids are never accepted; forced tokens are drafted; schemas
+compile once; bad constraints are refused by name."""
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from spec_jax import LLM, SamplingParams, default_model
+from spec_jax.engine.structured import GuidedDecodingParams, StructuredOutputsParams
+from spec_jax.writing.random_checkpoint import write_random_drafter
+
+CAR = {"type": "object", "properties": {"brand": {"type": "string", "maxLength": 12},
+                                        "model": {"type": "string", "maxLength": 12},
+                                        "car_type": {"enum": ["sedan", "SUV", "Truck", "Coupe"]}},
+       "required": ["brand", "model", "car_type"]}
+PROMPTS = ["Generate a JSON with the brand, model and car_type of a car:", "def fibonacci(n):",
+           "The email of Alan Turing is", "Classify this sentiment: the engine is wonderful!"]
+EMAIL = r"[a-z]{1,10}@[a-z]{1,8}\.com"
+
+
+def constrained(**fields) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**fields)
+
+
+def mixed_params(max_tokens: int = 60) -> list[SamplingParams]:
+    """A JSON schema, an unconstrained row, a regex and a choice, greedy."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return [dataclasses.replace(greedy, structured_outputs=constrained(json=CAR, disable_any_whitespace=True)),
+            dataclasses.replace(greedy, max_tokens=24),
+            dataclasses.replace(greedy, structured_outputs=constrained(regex=EMAIL)),
+            dataclasses.replace(greedy, structured_outputs=constrained(choice=["Positive", "Negative", "Neutral"]))]
+
+
+@pytest.fixture(scope="module")
+def plain_llm():
+    return LLM(dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4])
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain_llm):
+    return [o.outputs[0] for o in plain_llm.generate(PROMPTS, mixed_params(), use_tqdm=False)]
+
+
+def check_valid(outputs) -> None:
+    """Each constrained completion of `mixed_params` obeys its constraint and ended at EOS."""
+    car = json.loads(outputs[0].text)
+    assert set(car) == {"brand", "model", "car_type"} and car["car_type"] in CAR["properties"]["car_type"]["enum"]
+    assert re.fullmatch(EMAIL, outputs[2].text), outputs[2].text
+    assert outputs[3].text in ("Positive", "Negative", "Neutral")
+    assert all(outputs[i].finish_reason == "stop" for i in (0, 2, 3))
+
+
+def test_constrained_outputs_obey_their_constraints(plain_outputs):
+    check_valid(plain_outputs)
+    assert plain_outputs[1].finish_reason == "length"  # the unconstrained row runs free
+
+
+@pytest.fixture(scope="module")
+def specs(plain_llm, tmp_path_factory) -> dict[str, dict]:
+    """Every method, with the drafters the default model ships (a random DSpark, which it does not)."""
+    assets = default_model.ASSETS
+    dspark = write_random_drafter("dspark", plain_llm.model.cfg, tmp_path_factory.mktemp("dspark"), layers=1,
+                                  block_size=4, dtype="float32")
+    return {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+            "mtp": {"method": "mtp", "num_speculative_tokens": 3},
+            "dflash": {"method": "dflash", "model": str(assets / "dflash"), "num_speculative_tokens": 7},
+            "dspark": {"method": "dspark", "model": str(dspark), "num_speculative_tokens": 4},
+            "eagle3": {"method": "eagle3", "model": str(assets / "eagle3"), "num_speculative_tokens": 3},
+            "draft_model": {"method": "draft_model", "model": str(assets / "draft"), "num_speculative_tokens": 3}}
+
+
+METHODS = ["ngram", "mtp", "dflash", "dspark", "eagle3", "draft_model"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_constrained_spec_equals_spec_off(plain_llm, plain_outputs, specs, method):
+    llm = plain_llm.with_speculation(specs[method])
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, mixed_params(), use_tqdm=False)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_outputs]
+    check_valid(outs)
+    assert llm.metrics["num_draft_tokens"] > 0
+    # Alone, too: the JSON row's first step has nothing beside it.
+    alone = llm.generate(PROMPTS[:1], mixed_params()[:1], use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == plain_outputs[0].token_ids
