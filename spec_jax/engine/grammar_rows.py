@@ -116,11 +116,11 @@ class GrammarRows:
             if row is None:
                 raise RuntimeError(f"batch row {b} holds grammar id {int(ids[b])}, which no request owns")
             self._catch_up(row, int(lengths[b]), recent[b])
-            chain = self._walk(row.matcher, drafts[b, :n_draft[b]].tolist(), min(int(limit[b]), k))
+            chain, walked = self._walk(row.matcher, drafts[b, :n_draft[b]].tolist(), min(int(limit[b]), k))
             drafts[b, :len(chain)] = chain
             n_draft[b] = len(chain)
-            if chain:
-                walks.append((row.matcher, b * (k + 1), chain))
+            if walked:
+                walks.append((row.matcher, b * (k + 1), walked))
             else:
                 heads.append((row.matcher, b * (k + 1)))
         if walks:
@@ -148,20 +148,30 @@ class GrammarRows:
             raise RuntimeError(f"a constrained row wrote tokens {tokens} its grammar forbids: "
                                f"{row.matcher.get_error()}")
 
-    @staticmethod
-    def _walk(matcher: llguidance.LLMatcher, drafts: list[int], limit: int) -> list[int]:
+    def _walk(self, matcher: llguidance.LLMatcher, drafts: list[int], limit: int) -> tuple[list[int], list[int]]:
         """The drafts to verify: the proposer's while the grammar allows them, the grammar's forced
-        tokens where it forbids one or past the last, at most `limit`. The matcher ends where it began."""
+        tokens where it forbids one or past the last (EOS once the grammar ended), at most `limit`.
+        Returns them and the tokens before the last verify position that needs a mask (the same,
+        less a final EOS). The matcher ends where it began."""
         chain: list[int] = []
-        while len(chain) < limit and not matcher.is_stopped():
+        consumed = 0
+        while len(chain) < limit:
             j = len(chain)
+            if matcher.is_stopped():  # the grammar ended: EOS is the one token it allows
+                chain.append(self.tokenizer.eos_token)
+                break
             if j < len(drafts) and matcher.try_consume_tokens([drafts[j]]) == 1:
                 chain.append(drafts[j])
+                consumed += 1
+                if drafts[j] == self.tokenizer.eos_token:
+                    break
                 continue
             forced = matcher.compute_ff_tokens()[:limit - j]
             if not forced or not matcher.consume_tokens(forced):
                 break
             chain += forced
-        if chain:
-            matcher.rollback(len(chain))
-        return chain
+            consumed += len(forced)
+        if consumed:
+            matcher.rollback(consumed)
+        ends = bool(chain) and chain[-1] == self.tokenizer.eos_token
+        return chain, chain[:-1] if ends else chain

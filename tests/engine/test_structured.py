@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from spec_jax import LLM, SamplingParams, default_model
-from spec_jax.engine.structured import GuidedDecodingParams, StructuredOutputsParams
+from spec_jax.engine.structured import StructuredOutputsParams
 from spec_jax.writing.random_checkpoint import write_random_drafter
 
 CAR = {"type": "object", "properties": {"brand": {"type": "string", "maxLength": 12},
@@ -89,3 +89,28 @@ def test_greedy_constrained_spec_equals_spec_off(plain_llm, plain_outputs, specs
     # Alone, too: the JSON row's first step has nothing beside it.
     alone = llm.generate(PROMPTS[:1], mixed_params()[:1], use_tqdm=False)
     assert alone[0].outputs[0].token_ids == plain_outputs[0].token_ids
+
+
+PAIR = r'\{"k":"[ab][ab]"\}'
+SAMPLES = 320
+P_VALUE = 1e-3  # fixed seeds make the test deterministic; this only sizes the bound
+
+
+def test_sampled_constrained_output_keeps_its_distribution_with_speculation(specs):
+    """Two free characters between forced text, sampled at temperature 1: the 4 outcomes are
+    distributed alike with speculation on (MTP drafting probabilistically, the forced text drafted
+    by the grammar) and off (two-sample chi-square)."""
+    params = SamplingParams(n=SAMPLES, temperature=1.0, seed=0, max_tokens=24,
+                            structured_outputs=constrained(regex=PAIR))
+    llm = LLM(dtype="float32", max_model_len=128, max_num_seqs=64, batch_buckets=[64])
+    spec = llm.with_speculation({**specs["mtp"], "draft_sample_method": "probabilistic"})
+    tables = []
+    for engine in (llm, spec):
+        texts = [c.text for c in engine.generate(["Pick two letters:"], params, use_tqdm=False)[0].outputs]
+        assert all(re.fullmatch(PAIR, t) for t in texts), [t for t in texts if not re.fullmatch(PAIR, t)][:3]
+        tables.append([sum(t[6:8] == a + b for t in texts) for a in "ab" for b in "ab"])
+    assert spec.metrics["num_accepted_tokens"] > 0
+    table = np.asarray(tables)
+    table = table[:, table.sum(0) >= 10]  # chi-square needs populated cells
+    assert table.shape[1] >= 3, table
+    assert stats.chi2_contingency(table).pvalue > P_VALUE, table
