@@ -128,6 +128,9 @@ class LLM:
         shares its pass (decode, verify, prefill, any batch): greedy output with speculation then
         equals plain decoding token for token, in any dtype (`pallas_kernels/batch_invariant.py`).
         Dense models only.
+      grammar_drafts: with structured outputs, draft the tokens a grammar forces (and EOS once it
+        ended) where the proposer has none or drafted a forbidden one; False only to measure what
+        that gives (`bench.structured`).
       **kwargs: vLLM's other engine arguments (`engine_args`): `gpu_memory_utilization` sizes
         max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
         or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
@@ -141,7 +144,7 @@ class LLM:
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
                  prefix_block_size: int | None = None, prefix_cache_gb: float | None = None,
                  prefix_cache_host_gb: float = 0.0, layout: str | None = None, batch_invariant: bool = False,
-                 **kwargs):
+                 grammar_drafts: bool = True, **kwargs):
         engine_args = resolve_engine_args(kwargs)
         claim_device_memory(engine_args.gpu_memory_utilization)  # before anything starts the backend
         # make_mesh checks any other value (1.0 or True included) against the devices there are
@@ -171,7 +174,7 @@ class LLM:
             prefix_cache_bytes=gigabytes("prefix_cache_gb", prefix_cache_gb, positive=True),
             prefix_cache_host_bytes=gigabytes("prefix_cache_host_gb", prefix_cache_host_gb, positive=False),
             batch_invariant=batch_invariant, rollback=rollback, speculative=spec, seed=seed,
-            gpu_memory_utilization=engine_args.gpu_memory_utilization)
+            gpu_memory_utilization=engine_args.gpu_memory_utilization, grammar_drafts=grammar_drafts)
         quantize_to = None if loaded is not None else check_quantization(engine_args.quantization,
                                                                            checkpoint_methods(model))
         enable_compilation_cache()

@@ -337,7 +337,11 @@ class Scheduler:
             req.last_token = new[-1] if new else req.last_token
             with self.lock:
                 self.counters["generation_tokens"] += n_new
-            if done[slot]:
+            failure = self.core.grammar_failure(req.grammar)
+            if failure is not None:  # its grammar gave up (a resource limit): the row stops here
+                self.state = dataclasses.replace(self.state, done=self.state.done.at[slot].set(True))
+                self._finish(req, "error", new, error=f"structured outputs: {failure}")
+            elif done[slot]:
                 self._finish(req, "stop" if req.last_token in req.stops else "length", new, logprobs=logprobs)
             elif new:
                 self._emit(req, Update(new, logprobs=logprobs))

@@ -151,12 +151,17 @@ class EngineCore:
             text = getattr(getattr(self.tokenizer, "hf", None), "to_str", None)
             if text is None:
                 raise ValueError(f"structured outputs need the model's tokenizer.json, and {self.name} has none")
-            self._grammars = GrammarRows(text(), self.cfg.vocab_size, self.cfg.eos_token_id[0])
+            self._grammars = GrammarRows(text(), self.cfg.vocab_size, self.cfg.eos_token_id[0],
+                                         forced_drafts=self.config.grammar_drafts)
         return self._grammars
 
     def grammar_ids(self, state: DecodeState) -> list[int]:
         """The grammar ids a state's rows hold (-1: none; empty when no row has a grammar), for `release`."""
         return [] if state.sampling.grammar is None else np.asarray(state.sampling.grammar).tolist()
+
+    def grammar_failure(self, grammar_id: int) -> str | None:
+        """Why a row's grammar failed (`GrammarRows.failure`), or None."""
+        return None if grammar_id < 0 or self._grammars is None else self._grammars.failure(grammar_id)
 
     def release(self, grammar_ids: Sequence[int]) -> None:
         """Forget the grammar matchers of finished rows (`grammar_ids`)."""
@@ -416,8 +421,12 @@ class EngineCore:
             state = self.decode(state, self.max_model_len, do_sample)
             out_tokens, out_lengths, stats, steps, logprobs = jax.device_get(
                 (state.tokens, state.lengths, state.stats, state.steps, state.logprobs))
+            failed = [(row, self.grammar_failure(i)) for row, i in enumerate(held) if self.grammar_failure(i)]
         finally:
             self.release(held)
+        if failed:
+            row, failure = failed[0]
+            raise RuntimeError(f"structured outputs: the grammar engine gave up on the batch's row {row}: {failure}")
         t2 = time.perf_counter()
         results = []
         for i, p in enumerate(params):
