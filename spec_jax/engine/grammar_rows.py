@@ -66,6 +66,8 @@ class GrammarRows:
         cover it; ids past the tokenizer's are never allowed); eos: the token a finished grammar allows;
         forced_drafts: draft what the grammar forces (`EngineConfig.grammar_drafts`); threads: llguidance's
         (None: its default)."""
+        if not 0 <= eos < vocab_size:
+            raise ValueError(f"structured outputs: the EOS id {eos} is outside the vocabulary [0, {vocab_size})")
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
         self.executor = llguidance.LLExecutor(threads)
         self.words = mask_words(vocab_size)
@@ -90,7 +92,7 @@ class GrammarRows:
         pristine.compute_bitmask()  # a grammar that admits no first token fails here, not mid-batch
         if pristine.is_error():
             raise ValueError(f"structured outputs: the {params.kind} constraint does not compile: "
-                             f"{pristine.get_error()}")
+                             f"{pristine.get_error().split(chr(10))[0]}")
         with self.lock:
             self.compiles += 1
             self.compiled[text] = pristine

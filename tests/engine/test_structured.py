@@ -6,6 +6,7 @@ compile once; bad constraints are refused by name."""
 
 import dataclasses
 import json
+import queue
 import re
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from scipy import stats
 
 from spec_jax import LLM, SamplingParams, default_model
+from spec_jax.api.scheduler import Scheduler
 from spec_jax.engine.structured import StructuredOutputsParams
 from spec_jax.writing.random_checkpoint import write_random_drafter
 
@@ -102,7 +104,9 @@ def test_sampled_constrained_output_keeps_its_distribution_with_speculation(spec
     by the grammar) and off (two-sample chi-square)."""
     params = SamplingParams(n=SAMPLES, temperature=1.0, seed=0, max_tokens=24,
                             structured_outputs=constrained(regex=PAIR))
-    llm = LLM(dtype="float32", max_model_len=128, max_num_seqs=64, batch_buckets=[64])
+    # Optimised programs (the suite compiles at XLA's cheapest level): this test runs hundreds of rows.
+    llm = LLM(dtype="float32", max_model_len=128, max_num_seqs=64, batch_buckets=[64],
+              compiler_options={"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False})
     spec = llm.with_speculation({**specs["mtp"], "draft_sample_method": "probabilistic"})
     tables = []
     for engine in (llm, spec):
@@ -114,3 +118,27 @@ def test_sampled_constrained_output_keeps_its_distribution_with_speculation(spec
     table = table[:, table.sum(0) >= 10]  # chi-square needs populated cells
     assert table.shape[1] >= 3, table
     assert stats.chi2_contingency(table).pvalue > P_VALUE, table
+
+
+def test_the_server_scheduler_streams_constrained_rows_beside_free_ones(plain_llm, plain_outputs, specs):
+    """Continuous batching (the server's path): the four requests of `mixed_params` join one live
+    batch, MTP drafting; each streams the tokens of its offline, speculation-off run, and the
+    finished rows' matchers are released."""
+    llm = plain_llm.with_speculation(specs["mtp"])
+    scheduler = Scheduler(llm.engine, steps_per_chunk=3).start()
+    updates = [queue.Queue() for _ in PROMPTS]
+    try:
+        for prompt, params, sink in zip(PROMPTS, mixed_params(), updates):
+            scheduler.submit(llm.engine.prompt_ids(prompt, "prompt").tolist(), params, sink.put)
+        streamed = []
+        for sink in updates:
+            tokens, update = [], None
+            while update is None or update.finish_reason is None:
+                update = sink.get(timeout=300)
+                tokens += update.token_ids
+            streamed.append((tokens, update.finish_reason))
+    finally:
+        scheduler.shutdown()
+    assert [t for t, _ in streamed] == [o.token_ids for o in plain_outputs]
+    assert [r for _, r in streamed] == [o.finish_reason for o in plain_outputs]
+    assert not llm.engine.grammar_rows().rows
