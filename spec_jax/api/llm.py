@@ -465,12 +465,15 @@ class LLM:
         ids = self.tokenize(prompt if prompt is not None else prompt_token_ids)
         params = self._params_per_prompt(sampling_params, 1, SamplingParams())
         state, do_sample, _ = self.engine.start([ids], params)
-        sent = len(ids)
-        while True:
-            length, done = (int(x) for x in jax.device_get((state.lengths[0], state.done[0])))
-            if length > sent:
-                yield jax.device_get(state.tokens[0, sent:length]).tolist()
-                sent = length
-            if done:
-                return
-            state = self.engine.decode(state, steps_per_chunk, do_sample)
+        held, sent = self.engine.grammar_ids(state), len(ids)
+        try:
+            while True:
+                length, done = (int(x) for x in jax.device_get((state.lengths[0], state.done[0])))
+                if length > sent:
+                    yield jax.device_get(state.tokens[0, sent:length]).tolist()
+                    sent = length
+                if done:
+                    return
+                state = self.engine.decode(state, steps_per_chunk, do_sample)
+        finally:
+            self.engine.release(held)  # its grammar's matcher, if it has one
