@@ -23,7 +23,8 @@ configure_logging()
 from spec_jax.api.engine_cli import EngineArgs  # noqa: E402
 from spec_jax.api.llm import LLM  # noqa: E402
 from spec_jax.engine.params import CompletionOutput, Logprob, RequestOutput, SamplingParams  # noqa: E402
+from spec_jax.engine.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: E402
 from spec_jax.inputs import TextPrompt, TokensPrompt  # noqa: E402
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "TextPrompt",
-           "TokensPrompt"]
+           "TokensPrompt", "StructuredOutputsParams", "GuidedDecodingParams"]

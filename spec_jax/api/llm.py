@@ -129,6 +129,9 @@ class LLM:
         shares its pass (decode, verify, prefill, any batch): greedy output with speculation then
         equals plain decoding token for token, in any dtype (`pallas_kernels/batch_invariant.py`).
         Dense models only.
+      grammar_drafts: with structured outputs, draft the tokens a grammar forces (and EOS once it
+        ended) where the proposer has none or drafted a forbidden one; False only to measure what
+        that gives (`bench.structured`).
       **kwargs: vLLM's other engine arguments (`engine_args`): `gpu_memory_utilization` sizes
         max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
         or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
@@ -142,7 +145,7 @@ class LLM:
                  tensor_parallel_size: int = 1, enable_prefix_caching: bool = False,
                  prefix_block_size: int | None = None, prefix_cache_gb: float | None = None,
                  prefix_cache_host_gb: float = 0.0, layout: str | None = None, batch_invariant: bool = False,
-                 **kwargs):
+                 grammar_drafts: bool = True, **kwargs):
         engine_args = resolve_engine_args(kwargs)
         claim_device_memory(engine_args.gpu_memory_utilization)  # before anything starts the backend
         # make_mesh checks any other value (1.0 or True included) against the devices there are
@@ -172,7 +175,7 @@ class LLM:
             prefix_cache_bytes=gigabytes("prefix_cache_gb", prefix_cache_gb, positive=True),
             prefix_cache_host_bytes=gigabytes("prefix_cache_host_gb", prefix_cache_host_gb, positive=False),
             batch_invariant=batch_invariant, rollback=rollback, speculative=spec, seed=seed,
-            gpu_memory_utilization=engine_args.gpu_memory_utilization)
+            gpu_memory_utilization=engine_args.gpu_memory_utilization, grammar_drafts=grammar_drafts)
         quantize_to = None if loaded is not None else check_quantization(engine_args.quantization,
                                                                            checkpoint_methods(model))
         enable_compilation_cache()
@@ -478,12 +481,15 @@ class LLM:
         ids = self.tokenize(prompt if prompt is not None else prompt_token_ids)
         params = self._params_per_prompt(sampling_params, 1, SamplingParams())
         state, do_sample, _ = self.engine.start([ids], params)
-        sent = len(ids)
-        while True:
-            length, done = (int(x) for x in jax.device_get((state.lengths[0], state.done[0])))
-            if length > sent:
-                yield jax.device_get(state.tokens[0, sent:length]).tolist()
-                sent = length
-            if done:
-                return
-            state = self.engine.decode(state, steps_per_chunk, do_sample)
+        held, sent = self.engine.grammar_ids(state), len(ids)
+        try:
+            while True:
+                length, done = (int(x) for x in jax.device_get((state.lengths[0], state.done[0])))
+                if length > sent:
+                    yield jax.device_get(state.tokens[0, sent:length]).tolist()
+                    sent = length
+                if done:
+                    return
+                state = self.engine.decode(state, steps_per_chunk, do_sample)
+        finally:
+            self.engine.release(held)  # its grammar's matcher, if it has one

@@ -42,8 +42,9 @@ from spec_jax.engine.params import MAX_LOGPROBS, Logprob, SamplingParams, logpro
 from spec_jax.engine.sampling import RowSampling
 
 MAX_STOP_TOKEN_IDS = 16  # per request besides EOS: the live batch's stop_ids width is fixed
-# The full layout's logit processors: all of `RowSampling`'s optional fields.
-EVERY_PROCESSOR = frozenset(f.name for f in dataclasses.fields(RowSampling) if f.default is None)
+# The full layout's logit processors: all of `RowSampling`'s optional fields but the grammar ids, which the
+# batch carries only while a constrained request runs (each step of such a batch calls the host).
+EVERY_PROCESSOR = frozenset(f.name for f in dataclasses.fields(RowSampling) if f.default is None) - {"grammar"}
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +76,7 @@ class Request:
         self.last_token = -1
         self.stops: set[int] = set()
         self.processors = processors  # the logit processors it needs (`batching.processors_needed`)
+        self.grammar = -1  # its id among the core's grammar matchers once admitted (-1: none)
         self.finished = False
         self.t_submit = time.perf_counter()
         self.t_admit = self.t_prefilled = self.t_submit
@@ -113,6 +115,7 @@ class Scheduler:
         self.stop_width = MAX_STOP_TOKEN_IDS + len(core.cfg.eos_token_id)
         self.slots: list[Request | None] = [None] * core.max_num_seqs
         self.full = False  # the live batch's layout: full, or plain
+        self.constrained = False  # whether the live batch carries grammar ids
         self.waiting: collections.deque[Request] = collections.deque()
         self.inbox: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
@@ -229,7 +232,7 @@ class Scheduler:
 
     def _empty_state(self):
         """A live batch whose rows are all done: a prefill of one-token dummies that stop at once."""
-        self.full = False
+        self.full = self.constrained = False
         dummy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         B = len(self.slots)
         state, _, _ = self.core.start([[0]] * B, [dummy] * B, stop_width=self.stop_width,
@@ -279,6 +282,7 @@ class Scheduler:
                 log.exception("prefill failed")
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
                 continue
+            req.grammar = (self.core.grammar_ids(row) or [-1])[0]
             try:
                 self.state = self.core.insert(self.state, slot, row)
             except Exception as e:  # the donated live batch may be gone too: `_loop` ends the running requests
@@ -292,16 +296,19 @@ class Scheduler:
 
     def _layout(self) -> tuple[frozenset[str], int | None]:
         """The live batch's logit processors and logprobs kept per token (None: none)."""
-        return (EVERY_PROCESSOR, MAX_LOGPROBS) if self.full else (frozenset(), None)
+        grammar = frozenset({"grammar"}) if self.constrained else frozenset()
+        return (EVERY_PROCESSOR | grammar, MAX_LOGPROBS) if self.full else (grammar, None)
 
     def _fit_layout(self, joining: Request | None = None) -> None:
         """Put the live batch in the full layout while one of its requests (or `joining`, about to
-        be inserted) uses a logit processor or asks for logprobs, else in the plain one. Rows that
-        use less than the layout carries hold neutral values: their tokens are the same."""
+        be inserted) uses a logit processor or asks for logprobs, else in the plain one; with grammar
+        ids while one of them is constrained. Rows that use less than the layout carries hold neutral
+        values: their tokens are the same."""
         requests = [r for r in self.slots if r is not None] + ([joining] if joining is not None else [])
-        full = any(r.processors or r.params.logprobs is not None for r in requests)
-        if full != self.full:
-            self.full = full
+        full = any(r.processors - {"grammar"} or r.params.logprobs is not None for r in requests)
+        constrained = any("grammar" in r.processors for r in requests)
+        if (full, constrained) != (self.full, self.constrained):
+            self.full, self.constrained = full, constrained
             self.state = self.core.with_processors(self.state, *self._layout())
 
     def _run_chunk(self) -> None:
@@ -330,7 +337,11 @@ class Scheduler:
             req.last_token = new[-1] if new else req.last_token
             with self.lock:
                 self.counters["generation_tokens"] += n_new
-            if done[slot]:
+            failure = self.core.grammar_failure(req.grammar)
+            if failure is not None:  # its grammar gave up (a resource limit): the row stops here
+                self.state = dataclasses.replace(self.state, done=self.state.done.at[slot].set(True))
+                self._finish(req, "error", new, error=f"structured outputs: {failure}")
+            elif done[slot]:
                 self._finish(req, "stop" if req.last_token in req.stops else "length", new, logprobs=logprobs)
             elif new:
                 self._emit(req, Update(new, logprobs=logprobs))
@@ -339,6 +350,7 @@ class Scheduler:
                 logprobs: list | None = None) -> None:
         """Free the request's slot, count it, and send its last update."""
         req.finished = True
+        self.core.release([req.grammar])
         # The last chunk's counters are this request's once it has seen a chunk since its insert.
         stats = self.last_stats if req.slot is not None and req.num_generated > 0 else None
         metrics = request_metrics(len(req.prompt_token_ids), req.num_generated, req.t_prefilled - req.t_admit,

@@ -61,14 +61,15 @@ class AssembledBatch:
 def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequence[int], *, rows: int,
                    prompt_len: int, max_model_len: int, eos: Sequence[int], stop_width: int | None = None,
                    vocab_size: int | None = None, bad_words: Sequence[Sequence[Sequence[int]]] | None = None,
-                   processors: frozenset[str] = frozenset()) -> AssembledBatch:
+                   processors: frozenset[str] = frozenset(), grammars: Sequence[int] | None = None) -> AssembledBatch:
     """n = len(ids) checked prompts with their `SamplingParams` and seeds into `rows` >= n
     bucket rows of `prompt_len` >= the longest prompt. stop_width fixes the stop_ids columns
     (default: the most stop ids any row has). vocab_size and bad_words (each row's bad words as
     token sequences, `LLM.bad_word_forms`) are needed only when a row sets logit_bias,
     allowed_token_ids or bad_words.
     processors: `RowSampling`'s optional fields the batch carries even if no row uses them (a
-    scheduler's live batch)."""
+    scheduler's live batch). grammars: each row's id among the engine's `GrammarRows` (-1: none),
+    needed when a row has structured outputs."""
     n, B = len(ids), rows
     tokens = np.zeros((B, prompt_len), np.int32)
     lengths = np.ones((B,), np.int32)
@@ -87,7 +88,8 @@ def assemble_batch(ids: Sequence[Sequence[int]], params: Sequence, seeds: Sequen
     temperature = pad((p.temperature for p in params), 0.0, np.float32)
     sampling = RowSampling(temperature, pad((max(p.top_k, 0) for p in params), 0, np.int32),
                            pad((p.top_p for p in params), 1.0, np.float32), row_keys(seeds, B),
-                           **logit_processors(params, lengths, stop_ids, B, vocab_size, bad_words, processors))
+                           **logit_processors(params, lengths, stop_ids, B, vocab_size, bad_words, processors,
+                                              grammars))
     return AssembledBatch(tokens, lengths, max_lengths, stop_ids, sampling, np.arange(B) >= n, speculate, stops,
                           bool((temperature > 0).any()))
 
@@ -102,7 +104,7 @@ def processors_needed(p, bad_words: Sequence[Sequence[int]] = ()) -> frozenset[s
             "bias": bool(p.logit_bias or p.allowed_token_ids or any(len(w) == 1 for w in bad_words)),
             "min_tokens": p.min_tokens > 0,
             "penalties": bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1),
-            "bad_words": any(len(w) > 1 for w in bad_words)}
+            "bad_words": any(len(w) > 1 for w in bad_words), "grammar": p.structured is not None}
     return frozenset(name for name, on in used.items() if on)
 
 
@@ -117,12 +119,14 @@ def bad_word_rows(bad_words: Sequence[Sequence[Sequence[int]]], rows: int) -> tu
 
 
 def logit_processors(params: Sequence, lengths: np.ndarray, stop_ids: np.ndarray, rows: int, vocab_size: int | None,
-                     bad_words: Sequence[Sequence[Sequence[int]]] | None, keep: frozenset[str] = frozenset()) -> dict:
+                     bad_words: Sequence[Sequence[Sequence[int]]] | None, keep: frozenset[str] = frozenset(),
+                     grammars: Sequence[int] | None = None) -> dict:
     """`RowSampling`'s optional fields for the processors some row uses or `keep` names (absent
     otherwise, so the step compiles without them; rows that do not use one get its neutral value):
     min_p [B]; bias [B, V] (logit_bias clamped to +-100, -inf off allowed_token_ids and on one-token
     bad words); min_tokens (end [B] = prompt length + min_tokens, stop_ids); penalties (presence,
-    frequency, repetition, each [B]); bad_words (`bad_word_rows`)."""
+    frequency, repetition, each [B]); bad_words (`bad_word_rows`); grammar [B] (each row's id in
+    `grammars`, -1 for none)."""
     n = len(params)
     bad_words = bad_words or [[] for _ in params]
     used = keep.union(*map(processors_needed, params, bad_words))
@@ -150,4 +154,9 @@ def logit_processors(params: Sequence, lengths: np.ndarray, stop_ids: np.ndarray
         end = np.zeros((rows,), np.int32)
         end[:n] = [lengths[i] + p.min_tokens for i, p in enumerate(params)]
         out["min_tokens"] = (jnp.asarray(end), jnp.asarray(stop_ids))
+    if "grammar" in used:
+        ids = np.full((rows,), -1, np.int32)
+        if grammars is not None:
+            ids[:n] = grammars
+        out["grammar"] = jnp.asarray(ids)
     return out

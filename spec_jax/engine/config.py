@@ -60,6 +60,8 @@ class EngineConfig:
     speculative: the parsed speculative config (None: plain decoding).
     seed: base seed of requests that set none.
     gpu_memory_utilization: size max_num_seqs to this share of the device's memory (None: as given).
+    grammar_drafts: in a constrained row, draft the tokens its grammar forces (and EOS once it ended)
+      where the proposer has none or drafted a forbidden one (`grammar_rows`); off only to measure it.
     """
 
     max_model_len: int | None = None
@@ -77,6 +79,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     gpu_memory_utilization: float | None = None
+    grammar_drafts: bool = True
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1, 4096, "must be between 1 and 4096")
@@ -94,7 +97,7 @@ class EngineConfig:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r}; expected one of {', '.join(LAYOUTS)}")
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 2**16, "must be a positive device count")
-        for name in ("enable_prefix_caching", "batch_invariant"):
+        for name in ("enable_prefix_caching", "batch_invariant", "grammar_drafts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.max_model_len is not None:

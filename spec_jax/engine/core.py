@@ -27,6 +27,7 @@ from proposers.registry import build_proposer, target_drafter
 from spec_jax.engine.batch import assemble_batch
 from spec_jax.engine.config import DEFAULT_PREFIX_CACHE_BYTES, EngineConfig
 from spec_jax.engine.detokenize import cut_at_stop_string
+from spec_jax.engine.grammar_rows import GrammarRows
 from spec_jax.engine.metrics import request_metrics
 from spec_jax.engine.params import CompletionOutput, SamplingParams, logprob_entries
 from spec_jax.engine.prefix_cache import PrefixCache
@@ -142,6 +143,30 @@ class EngineCore:
         self.name = name
         self.requests = requests  # rows and requests started: an unseeded row's seed, a request's id
         self.prefix_cache = self.new_store()
+        self._grammars: GrammarRows | None = None  # made at the first constrained request
+
+    def grammar_rows(self) -> GrammarRows:
+        """The host matchers of this core's constrained rows (made at first use, from the tokenizer)."""
+        if self._grammars is None:
+            text = getattr(getattr(self.tokenizer, "hf", None), "to_str", None)
+            if text is None:
+                raise ValueError(f"structured outputs need the model's tokenizer.json, and {self.name} has none")
+            self._grammars = GrammarRows(text(), self.cfg.vocab_size, self.cfg.eos_token_id[0],
+                                         forced_drafts=self.config.grammar_drafts)
+        return self._grammars
+
+    def grammar_ids(self, state: DecodeState) -> list[int]:
+        """The grammar ids a state's rows hold (-1: none; empty when no row has a grammar), for `release`."""
+        return [] if state.sampling.grammar is None else np.asarray(state.sampling.grammar).tolist()
+
+    def grammar_failure(self, grammar_id: int) -> str | None:
+        """Why a row's grammar failed (`GrammarRows.failure`), or None."""
+        return None if grammar_id < 0 or self._grammars is None else self._grammars.failure(grammar_id)
+
+    def release(self, grammar_ids: Sequence[int]) -> None:
+        """Forget the grammar matchers of finished rows (`grammar_ids`)."""
+        if self._grammars is not None:
+            self._grammars.release(grammar_ids)
 
     @property
     def max_num_seqs(self) -> int:
@@ -312,6 +337,10 @@ class EngineCore:
             bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab_size})")
+        if p.structured is not None:
+            if self.config.tensor_parallel_size > 1:
+                raise ValueError("structured outputs are not built for tensor_parallel_size > 1 yet")
+            self.grammar_rows().matcher(p.structured)  # compiles (and caches) the grammar, or says why not
         return self.bad_word_forms(p)
 
     def _row_seed(self, p: SamplingParams) -> int:
@@ -331,19 +360,27 @@ class EngineCore:
         most any row asks for) so that every row it prefills fits its live batch, and rows
         (default: the batch bucket of len(ids)) to 1 for a request joining it."""
         seeds = [self._row_seed(p) for p in params]
+        grammars = None
+        if any(p.structured is not None for p in params) or "grammar" in processors:
+            rows_of = self.grammar_rows()
+            grammars = [rows_of.add(p.structured) if p.structured is not None else -1 for p in params]
         batch = assemble_batch(ids, params, seeds, rows=rows or self.batch_bucket(len(ids)),
                                prompt_len=self.runner.prompt_bucket(max(len(x) for x in ids)),
                                max_model_len=self.max_model_len, eos=self.cfg.eos_token_id, stop_width=stop_width,
                                vocab_size=self.cfg.vocab_size, bad_words=[self.bad_word_forms(p) for p in params],
-                               processors=processors)
+                               processors=processors, grammars=grammars)
         do_sample = batch.do_sample if do_sample is None else do_sample
         if num_logprobs is None:
             num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if self.prefix_cache is not None:
             self.prefix_cache.take_found()  # from here on its lookups are this batch's rows'
         state = self.runner.prefill(self.plan, self.prefix_cache, *batch.inputs(), batch.speculate, do_sample,
-                                    num_logprobs)
+                                    num_logprobs, self._grammars_of(batch.sampling))
         return self._with_plan_data(state, batch, do_sample), do_sample, batch.stops
+
+    def _grammars_of(self, sampling) -> GrammarRows | None:
+        """The `GrammarRows` a program over rows with this sampling calls: ours when they carry grammar ids."""
+        return self._grammars if sampling.grammar is not None else None
 
     def _with_plan_data(self, state: DecodeState, batch, do_sample: bool) -> DecodeState:
         """What the plan's step reads besides the prefill's state: the synthetic acceptance rule's
@@ -358,6 +395,7 @@ class EngineCore:
             state = dataclasses.replace(state, acceptance_rates=jnp.asarray(np.tile(rates, (len(batch.lengths), 1))))
         if hasattr(plan.proposer, "with_continuation"):
             tokens, lengths, max_lengths, stop_ids, sampling, done = batch.inputs()
+            sampling = dataclasses.replace(sampling, grammar=None)  # the oracle's own run: no matcher follows it
             reach = jnp.minimum(max_lengths + plan.k, self.max_model_len)
             plain = self.runner.prefill(None, None, tokens, lengths, reach, jnp.full_like(stop_ids, -1), sampling,
                                         done, jnp.zeros_like(done), do_sample)
@@ -367,7 +405,7 @@ class EngineCore:
 
     def decode(self, state: DecodeState, steps: int, do_sample: bool) -> DecodeState:
         """Up to `steps` (speculative) steps on the device; the state is donated."""
-        return self.runner.decode(self.plan, state, steps, do_sample)
+        return self.runner.decode(self.plan, state, steps, do_sample, self._grammars_of(state.sampling))
 
     def insert(self, state: DecodeState, row: int, new: DecodeState) -> DecodeState:
         """`Runner.insert`: the one-row state `new` into slot `row` of the live `state` (donated)."""
@@ -388,9 +426,17 @@ class EngineCore:
         cached = self.prefix_cache.take_found() if self.prefix_cache is not None else [0] * len(ids)  # row order
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
-        state = self.decode(state, self.max_model_len, do_sample)
-        out_tokens, out_lengths, stats, steps, logprobs = jax.device_get(
-            (state.tokens, state.lengths, state.stats, state.steps, state.logprobs))
+        held = self.grammar_ids(state)
+        try:
+            state = self.decode(state, self.max_model_len, do_sample)
+            out_tokens, out_lengths, stats, steps, logprobs = jax.device_get(
+                (state.tokens, state.lengths, state.stats, state.steps, state.logprobs))
+            failed = [(row, self.grammar_failure(i)) for row, i in enumerate(held) if self.grammar_failure(i)]
+        finally:
+            self.release(held)
+        if failed:
+            row, failure = failed[0]
+            raise RuntimeError(f"structured outputs: the grammar engine gave up on the batch's row {row}: {failure}")
         t2 = time.perf_counter()
         results = []
         for i, p in enumerate(params):

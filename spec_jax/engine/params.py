@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from spec_jax.engine.structured import StructuredOutputsParams, as_structured
+
 log = logging.getLogger("spec_jax")
 
 # vLLM SamplingParams fields not built yet: anything but their neutral value is refused by name rather
@@ -56,8 +58,10 @@ class SamplingParams:
     min_tokens (stop ids masked until that many tokens) and the presence / frequency / repetition
     penalties change what greedy picks too; min_p filters after temperature. logprobs and
     prompt_logprobs report the target's raw log-probabilities (the top n and the token's own).
-    All hold with speculation on: drafts are verified against the processed distribution. The
-    fields in `NOT_YET` are accepted at their neutral values.
+    All hold with speculation on: drafts are verified against the processed distribution.
+    structured_outputs (vLLM's `StructuredOutputsParams`, or a dict of its fields) constrains the
+    output to a JSON schema, regex, choice or grammar, with speculation on too; guided_decoding is
+    vLLM's older name for it. The fields in `NOT_YET` are accepted at their neutral values.
     """
 
     n: int = 1
@@ -87,6 +91,8 @@ class SamplingParams:
     logit_bias: dict | None = None
     allowed_token_ids: list[int] | None = None
     extra_args: dict | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: StructuredOutputsParams | dict | None = None
     speculative: bool = True  # spec_jax extension: False opts this request out of drafting
 
     def __new__(cls, *args, **kwargs):
@@ -98,6 +104,10 @@ class SamplingParams:
         """Refuse, naming the field, what is not of the field's type or range (nothing is
         coerced: 2.5 tokens or a string temperature are errors, not 2 tokens or a crash later)."""
         check_int("n", self.n, 1, 4096, "must be a positive number of completions")
+        self.structured_outputs = as_structured(self.structured_outputs, "structured_outputs")
+        self.guided_decoding = as_structured(self.guided_decoding, "guided_decoding")
+        if self.structured_outputs is not None and self.guided_decoding is not None:
+            raise ValueError("structured_outputs and guided_decoding are two names of one field; set one")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported (vLLM's V1 engine dropped it too): "
                              f"ask for n={self.best_of} completions and rank them yourself")
@@ -108,7 +118,7 @@ class SamplingParams:
                                  f"stop_token_ids, bad_words, ignore_eos, max_tokens, min_tokens, logit_bias, "
                                  f"allowed_token_ids, presence_penalty, frequency_penalty, repetition_penalty, "
                                  f"logprobs, prompt_logprobs, include_stop_str_in_output, skip_special_tokens, "
-                                 f"detokenize)")
+                                 f"detokenize, structured_outputs)")
         check_real("temperature", self.temperature, "must be >= 0 (0 means greedy)", lambda t: t >= 0)
         check_real("top_p", self.top_p, "must be in (0, 1]", lambda p: 0 < p <= 1)
         check_real("min_p", self.min_p, "must be in [0, 1]", lambda p: 0 <= p <= 1)
@@ -158,6 +168,11 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, under either of its names."""
+        return self.structured_outputs or self.guided_decoding
 
     @property
     def stop_strings(self) -> list[str]:

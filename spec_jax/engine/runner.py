@@ -190,16 +190,19 @@ class Runner:
                    if hasattr(leaf, "dtype") and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
     def prefill(self, plan: SpecPlan | None, store: PrefixCache | None, prompts, prompt_lengths, max_lengths,
-                stop_ids, sampling, done, speculate, do_sample: bool, num_logprobs: int | None = None) -> DecodeState:
-        """`prefill` of a batch (its arguments) under `plan`; with a prefix store, block by block per row."""
-        static = (plan, do_sample, num_logprobs)
+                stop_ids, sampling, done, speculate, do_sample: bool, num_logprobs: int | None = None,
+                grammars=None) -> DecodeState:
+        """`prefill` of a batch (its arguments) under `plan`; with a prefix store, block by block per row.
+        grammars: the `GrammarRows` of rows whose sampling carries grammar ids."""
+        static = (plan, do_sample, num_logprobs, grammars)
         rest = (max_lengths, stop_ids, sampling, done, speculate)
         if store is None:
-            fn = partial(prefill, cache_len=self.cache_len, do_sample=do_sample, plan=plan, num_logprobs=num_logprobs)
+            fn = partial(prefill, cache_len=self.cache_len, do_sample=do_sample, plan=plan, num_logprobs=num_logprobs,
+                         grammars=grammars)
             return self.run("prefill", fn, prompts, prompt_lengths, *rest, static=static)
         cache, last_blocks, hidden, taps, prompts = prefill_blocks(self, plan, store, prompts, prompt_lengths, done)
         start = partial(start_decode, cache_len=self.cache_len, do_sample=do_sample, plan=plan,
-                        num_logprobs=num_logprobs)
+                        num_logprobs=num_logprobs, grammars=grammars)
 
         def fn(model, draft, cache, last_blocks, hidden, taps, prompts, prompt_lengths, *a):
             # a row's last prompt position lies in the last block its prefill ran
@@ -210,10 +213,12 @@ class Runner:
         return self.run("start_decode", fn, cache, last_blocks, hidden, taps, prompts, prompt_lengths, *rest,
                         static=static, donate=(0,))
 
-    def decode(self, plan: SpecPlan | None, state: DecodeState, max_steps: int, do_sample: bool) -> DecodeState:
-        """Up to max_steps steps of `decode_loop` under `plan` on `state` (donated)."""
-        fn = partial(decode_loop, do_sample=do_sample, plan=plan)
-        return self.run("decode", fn, state, jnp.asarray(max_steps, jnp.int32), static=(plan, do_sample),
+    def decode(self, plan: SpecPlan | None, state: DecodeState, max_steps: int, do_sample: bool,
+               grammars=None) -> DecodeState:
+        """Up to max_steps steps of `decode_loop` under `plan` on `state` (donated); grammars: the
+        `GrammarRows` of rows whose sampling carries grammar ids."""
+        fn = partial(decode_loop, do_sample=do_sample, plan=plan, grammars=grammars)
+        return self.run("decode", fn, state, jnp.asarray(max_steps, jnp.int32), static=(plan, do_sample, grammars),
                         donate=(0,))
 
     def insert(self, state: DecodeState, row: int, new: DecodeState) -> DecodeState:

@@ -34,7 +34,8 @@ class RowSampling:
     penalties: (presence [B], frequency [B], repetition [B]), read with the rows' `TokenHistory`;
     bad_words: (prefixes [B, W, P] int32, last [B, W] int32) - a multi-token bad word's last
     token cannot follow generated tokens equal to its prefix (right-aligned, `ANY` before it;
-    last -1 for no word; W = MAX_BAD_WORDS, P = MAX_BAD_WORD_LENGTH - 1)."""
+    last -1 for no word; W = MAX_BAD_WORDS, P = MAX_BAD_WORD_LENGTH - 1); grammar: [B] int32 the
+    row's id among the host's grammar matchers (`grammar_rows.GrammarRows`), -1 for none."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -45,11 +46,13 @@ class RowSampling:
     min_tokens: tuple[jax.Array, jax.Array] | None = None
     penalties: tuple[jax.Array, jax.Array, jax.Array] | None = None
     bad_words: tuple[jax.Array, jax.Array] | None = None
+    grammar: jax.Array | None = None
 
     def with_processors(self, names: frozenset[str], vocab_size: int, stop_ids: jax.Array) -> RowSampling:
         """The same rows carrying exactly the optional fields `names`: a field kept stays as it is,
         one added holds its neutral value in every row (min_p 0, bias 0, min_tokens ending at 0 with
-        stop_ids [B, S], penalties 0, 0 and 1, no bad words), so those rows' logits are unchanged bitwise."""
+        stop_ids [B, S], penalties 0, 0 and 1, no bad words, no grammar), so those rows' logits are
+        unchanged bitwise."""
         B = self.temperature.shape[0]
         # Every field its own buffer (stop_ids copied): the live state is donated, and a buffer
         # may not be donated twice.
@@ -57,7 +60,7 @@ class RowSampling:
         neutral = {"min_p": zeros, "bias": lambda: jnp.zeros((B, vocab_size), jnp.float32),
                    "min_tokens": lambda: (zeros(jnp.int32), jnp.array(stop_ids, copy=True)),
                    "penalties": lambda: (zeros(), zeros(), jnp.ones((B,), jnp.float32)),
-                   "bad_words": lambda: no_bad_words(B)}
+                   "bad_words": lambda: no_bad_words(B), "grammar": lambda: jnp.full((B,), -1, jnp.int32)}
         unknown = names - neutral.keys()
         if unknown:
             raise ValueError(f"unknown logit processors {sorted(unknown)}; known: {sorted(neutral)}")
@@ -198,6 +201,14 @@ def process_logits(logits: jax.Array, params: RowSampling, positions: jax.Array,
         logits = apply_penalties(logits, params.penalties, history.counts if counts is None else counts,
                                  history.in_prompt)
     return logits
+
+
+def apply_token_masks(logits: jax.Array, masks: jax.Array) -> jax.Array:
+    """-inf where a grammar forbids the token: logits [..., V] float32, masks [..., W] int32 bitmasks
+    (token t allowed where bit t % 32 of word t // 32 is set; W * 32 >= V)."""
+    bits = (masks[..., None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [..., W, 32]
+    allowed = bits.reshape(masks.shape[:-1] + (-1,))[..., :logits.shape[-1]]
+    return jnp.where(allowed == 1, logits, -jnp.inf)
 
 
 def warp_logits(logits: jax.Array, params: RowSampling) -> jax.Array:

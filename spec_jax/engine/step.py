@@ -11,13 +11,15 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import io_callback
 
 from models.layers import Batch
 from pallas_kernels.gdn_chunked import CHUNK
 from models.qwen3_5 import ForwardOut, Qwen3_5Model, init_cache
 from pallas_kernels.batch_invariant import invariant_rows
-from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic, draw,
-                                     process_logits, ranked_logprobs, sample_tokens, warp_logits)
+from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic,
+                                     apply_token_masks, draw, process_logits, ranked_logprobs, sample_tokens,
+                                     warp_logits)
 from spec_jax.engine.state import DecodeState, SpecPlan, SpecStats, append_tokens, plan_taps
 
 
@@ -36,14 +38,40 @@ def drafting_policy(sampling: RowSampling, *, probabilistic: bool, do_sample: bo
     return choose
 
 
+def grammar_masks(grammars, sampling: RowSampling, done, tokens, lengths, drafts, n_draft, limit, recent: int):
+    """A step's grammar work, on the host (`GrammarRows.step`, a callback from the compiled step):
+    tokens [B, L] each row's buffer holding lengths [B] tokens, the last `recent` of which the
+    matchers may not have seen; drafts [B, k] and n_draft [B] the proposer's; limit [B] the most
+    drafts a row may verify. Returns (masks [B, k+1, W] int32 bitmasks, drafts [B, k], n_draft [B])."""
+    B, k = drafts.shape
+    idx = jnp.maximum(lengths[:, None] - recent + jnp.arange(recent)[None, :], 0)
+    window = jnp.take_along_axis(tokens, idx, axis=1)
+    ids = jnp.where(done, -1, sampling.grammar)
+    shapes = (jax.ShapeDtypeStruct((B, k + 1, grammars.words), jnp.int32), jax.ShapeDtypeStruct((B, k), jnp.int32),
+              jax.ShapeDtypeStruct((B,), jnp.int32))
+    return io_callback(grammars.step, shapes, ids, lengths, window, drafts, n_draft, limit)
+
+
+def constrained(sampling: RowSampling, grammars) -> bool:
+    """Whether a step runs the grammar's host work: when the rows carry grammar ids (static)."""
+    if sampling.grammar is not None and grammars is None:
+        raise ValueError("rows carry grammar ids but the step was given no GrammarRows to run them")
+    return sampling.grammar is not None
+
+
+def no_drafts(lengths: jax.Array) -> jax.Array:
+    """drafts [B, 0] for a pass that verifies none."""
+    return jnp.zeros((lengths.shape[0], 0), jnp.int32)
+
+
 def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, stop_ids, sampling: RowSampling, done,
             speculate, *, cache_len: int, do_sample: bool, plan: SpecPlan | None,
-            num_logprobs: int | None = None) -> DecodeState:
+            num_logprobs: int | None = None, grammars=None) -> DecodeState:
     """Run the prompts, sample each row's first token, and start the proposer.
 
     prompts: [B, T] int32, right-padded; prompt_lengths: [B] (>= 1); max_lengths: [B];
     stop_ids: [B, S]; done: [B] bool (True for padding rows of the batch bucket); speculate:
-    [B] bool.
+    [B] bool. grammars: the host's `GrammarRows` when rows carry grammar ids.
     Returns the `DecodeState` with the caches holding each prompt.
     """
     B, T = prompts.shape
@@ -54,12 +82,12 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     last = target.hidden[jnp.arange(B), prompt_lengths - 1]
     return start_decode(model, draft, target, last, prompts, prompt_lengths, max_lengths, stop_ids, sampling, done,
                         speculate, cache_len=cache_len, do_sample=do_sample, plan=plan,
-                        num_logprobs=num_logprobs)
+                        num_logprobs=num_logprobs, grammars=grammars)
 
 
 def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, last, prompts, prompt_lengths, max_lengths,
                  stop_ids, sampling: RowSampling, done, speculate, *, cache_len: int, do_sample: bool,
-                 plan: SpecPlan | None, num_logprobs: int | None = None) -> DecodeState:
+                 plan: SpecPlan | None, num_logprobs: int | None = None, grammars=None) -> DecodeState:
     """What prefill does after the target's pass over the prompts: sample each row's first token
     from last [B, H], the hidden state at its last prompt position, and start the proposer on
     the target's outputs. target: that pass's `ForwardOut` (the caches holding the prompts;
@@ -69,8 +97,13 @@ def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, last, prompts, 
     history = None if sampling.penalties is None else TokenHistory.of_prompts(prompts, prompt_lengths,
                                                                               model.cfg.vocab_size)
     raw = model.logits(last)
-    first = sample_tokens(process_logits(raw, sampling, prompt_lengths, history), sampling, prompt_lengths,
-                          do_sample=do_sample)
+    logits = process_logits(raw, sampling, prompt_lengths, history)
+    if constrained(sampling, grammars):
+        none = no_drafts(prompt_lengths)
+        masks, _, _ = grammar_masks(grammars, sampling, done, prompts, prompt_lengths, none, prompt_lengths * 0,
+                                    prompt_lengths * 0, recent=0)
+        logits = apply_token_masks(logits, masks[:, 0])
+    first = sample_tokens(logits, sampling, prompt_lengths, do_sample=do_sample)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :T].set(prompts)
     logprobs = None if num_logprobs is None else EmittedLogprobs.empty(B, cache_len, num_logprobs)
     state = DecodeState(tokens, prompt_lengths, prompt_lengths, max_lengths, done, stop_ids, sampling, cache,
@@ -99,22 +132,30 @@ def generated_before(state: DecodeState, drafts: jax.Array | None = None) -> jax
     return jnp.stack([following[:, j:j + P] for j in range(drafts.shape[1] + 1)], axis=1)
 
 
-def decode_one(model: Qwen3_5Model, state: DecodeState, taps: tuple[int, ...], *,
-               do_sample: bool) -> tuple[jax.Array, ForwardOut, jax.Array]:
+def decode_one(model: Qwen3_5Model, state: DecodeState, taps: tuple[int, ...], *, do_sample: bool,
+               masks: jax.Array | None = None) -> tuple[jax.Array, ForwardOut, jax.Array]:
     """Feed each live row's newest token; returns the next token [B], the pass's `ForwardOut` and
-    its raw logits [B, V]."""
+    its raw logits [B, V]. masks [B, W]: the grammar's token bitmasks, if rows are constrained."""
     B, L = state.tokens.shape
     newest = state.tokens[jnp.arange(B), state.lengths - 1][:, None]
     batch = Batch(start=state.lengths - 1, n_valid=(~state.done).astype(jnp.int32))
     out = model(newest, batch, state.cache, kv_len=L, taps=taps)
     raw = model.logits(out.hidden[:, 0])
     logits = process_logits(raw, state.sampling, state.lengths, state.history, recent=generated_before(state))
+    if masks is not None:
+        logits = apply_token_masks(logits, masks)
     return sample_tokens(logits, state.sampling, state.lengths, do_sample=do_sample), out, raw
 
 
-def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bool) -> DecodeState:
-    """Plain decoding: feed each live row's newest token and sample the next one."""
-    nxt, out, raw = decode_one(model, state, (), do_sample=do_sample)
+def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bool, grammars=None) -> DecodeState:
+    """Plain decoding: feed each live row's newest token and sample the next one (within the
+    row's grammar, when it has one)."""
+    masks = None
+    if constrained(state.sampling, grammars):
+        none, zero = no_drafts(state.lengths), jnp.zeros_like(state.lengths)
+        masks = grammar_masks(grammars, state.sampling, state.done, state.tokens, state.lengths, none, zero, zero,
+                              recent=1)[0][:, 0]
+    nxt, out, raw = decode_one(model, state, (), do_sample=do_sample, masks=masks)
     state = append_tokens(state, nxt[:, None], jnp.ones_like(nxt), out.cache, raw[:, None])
     return dataclasses.replace(state, steps=state.steps + 1)
 
@@ -129,7 +170,8 @@ def verify_pass(model: Qwen3_5Model, cache, inputs, start, n_valid, *, kv_len: i
     return model(inputs, Batch(start=start, n_valid=n_valid), cache, kv_len=kv_len, rollback=rollback, taps=taps)
 
 
-def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan, do_sample: bool) -> DecodeState:
+def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan, do_sample: bool,
+              grammars=None) -> DecodeState:
     """One speculative step: propose k drafts, verify [newest, d1..dk] in one target pass,
     accept, roll every cache back to the accepted prefix, append n_acc + 1 tokens per row.
 
@@ -137,6 +179,10 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
     verify pass is a plain decode step of one token, in the same batch. For proposers that can
     come up empty (`may_not_draft`: ngram), a step where no row has a draft runs a one-token pass
     instead of the k+1 verify; other methods always draft, and compile only the verify.
+
+    Constrained rows (`grammar_masks`): the grammar cuts the drafts at the first it forbids and
+    proposes its forced tokens, and each verify position's logits are masked by the grammar's state
+    after the drafts before it, so a forbidden token is never accepted nor emitted.
     """
     B, L = state.tokens.shape
     k, rows, live = plan.k, jnp.arange(B), ~state.done
@@ -147,6 +193,15 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
     room = jnp.maximum(state.max_lengths - state.lengths - 1, 0)
     n_draft = jnp.where(state.speculate & live, jnp.minimum(n_draft, room), 0)
     newest = state.tokens[rows, state.lengths - 1]
+    masks = None
+    if constrained(state.sampling, grammars):
+        limit = jnp.where(state.speculate & live, jnp.minimum(room, k), 0)
+        masks, forced, n_forced = grammar_masks(grammars, state.sampling, state.done, state.tokens, state.lengths,
+                                                drafts, n_draft, limit, recent=k + 1)
+        if q is not None:  # a token the grammar put in place is drafted with certainty
+            replaced = (forced != drafts) | (jnp.arange(k)[None, :] >= n_draft[:, None])
+            q = jnp.where(replaced[..., None], jax.nn.one_hot(forced, q.shape[-1], dtype=q.dtype), q)
+        drafts, n_draft = forced, n_forced
 
     def verify(_):
         inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
@@ -157,6 +212,8 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
         raw = model.logits(target.hidden)
         logits = process_logits(raw, state.sampling, positions, state.history, counts,
                                 generated_before(state, drafts))
+        if masks is not None:
+            logits = apply_token_masks(logits, masks)
         if plan.acceptance == "synthetic":
             n_acc, emitted = accept_synthetic(state.acceptance_rates, logits, drafts, n_draft,
                                               state.sampling, state.lengths, do_sample=do_sample)
@@ -169,7 +226,8 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
     def decode_only(_):
         # `decode_one`, its outputs padded to the k+1 positions proposers read (past
         # n_acc + 1 = 1 they are never read).
-        nxt, target, raw = decode_one(model, state, plan_taps(plan), do_sample=do_sample)
+        nxt, target, raw = decode_one(model, state, plan_taps(plan), do_sample=do_sample,
+                                      masks=None if masks is None else masks[:, 0])
         pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, k), (0, 0)))  # noqa: E731
         emitted = jnp.concatenate([nxt[:, None], drafts], axis=1)
         return (jnp.zeros_like(n_draft), emitted, target.cache, ForwardOut(pad(target.hidden), None, pad(target.taps)),
@@ -193,13 +251,14 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
 
 
 def decode_loop(model: Qwen3_5Model, draft, state: DecodeState, max_steps, *, do_sample: bool,
-                plan: SpecPlan | None = None) -> DecodeState:
+                plan: SpecPlan | None = None, grammars=None) -> DecodeState:
     """Steps in a `lax.while_loop` until every row is done or `max_steps` more steps ran: the
     plain `decode_step`, or `spec_step` when a plan is given. max_steps is traced, so
-    streaming in chunks reuses one executable."""
+    streaming in chunks reuses one executable. grammars: the host's `GrammarRows`, when rows carry
+    grammar ids (each step then calls it once)."""
     stop_at = state.steps + max_steps
-    step = partial(decode_step, do_sample=do_sample) if plan is None else partial(spec_step, plan=plan,
-                                                                                     do_sample=do_sample)
+    step = (partial(decode_step, do_sample=do_sample, grammars=grammars) if plan is None
+            else partial(spec_step, plan=plan, do_sample=do_sample, grammars=grammars))
 
     def cond(s):
         return jnp.any(~s.done) & (s.steps < stop_at)
