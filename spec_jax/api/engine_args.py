@@ -74,7 +74,8 @@ WHOLE_PREFILL = "prompts are prefilled whole (the GDN kernel chunks them interna
 LOCAL_FILES = "checkpoints are read from local files"
 NO_EXPERT_PARALLEL = "expert parallelism is not built: tensor_parallel_size splits every expert by channel"
 NO_DATA_PARALLEL = "data parallelism is not built: run one LLM per device"
-NO_STRUCTURED = "structured output is not built yet"
+NO_STRUCTURED = ("structured output is set per request (SamplingParams.structured_outputs, the server's "
+                 "response_format / structured_outputs / guided_*), with llguidance; no engine-wide options")
 NO_LORA = "LoRA adapters are not supported"
 AS_WRITTEN = "the checkpoint's config.json is read as written"
 TEXT_GENERATION = "only text generation is served"

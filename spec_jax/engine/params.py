@@ -25,8 +25,6 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 # vLLM SamplingParams keywords with no field here: refused by name (ValueError saying why), never a
 # bare TypeError; a keyword vLLM does not have either is a TypeError naming it.
 NOT_FIELDS = {
-    "structured_outputs": "structured output (a grammar constraining the output) is not built yet",
-    "guided_decoding": "structured output (a grammar constraining the output) is not built yet",
     "output_kind": "LLM.generate returns whole outputs; stream with LLM.generate_stream or the server",
     "skip_reading_prefix_cache": "a prefix-cache hit gives bitwise the same output, so there is nothing to skip",
     "flat_logprobs": "logprobs are returned as vLLM's lists of per-token dicts",
