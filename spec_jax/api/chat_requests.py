@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from spec_jax.api.forced_tool_calls import ForcedCallParser
-from spec_jax.api.openai_requests import APIError, ChatBody
+from spec_jax.api.forced_tool_calls import ForcedCallParser, tool_choice_schema
+from spec_jax.api.openai_requests import APIError, ChatBody, Constraint, structured_output
 from spec_jax.api.reasoning import REASONING_PARSERS
 from spec_jax.api.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser
+from spec_jax.engine.structured import StructuredOutputsParams
 
 TOOL_FORM = '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
 CALL_FORM = '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}'
@@ -109,14 +110,19 @@ def named_function(body: ChatBody) -> str | None:
     return body.tool_choice["function"]["name"] if isinstance(body.tool_choice, dict) else None
 
 
-def tool_choice_constraint(body: ChatBody, choice: str) -> dict | None:
-    """The JSON schema "required" and a named function hold the answer to
-    (`forced_tool_calls.tool_choice_schema`), None for the others. The grammar engine that would
-    enforce it is not wired yet, so those choices are a 400 that says so."""
+def chat_constraint(body: ChatBody, choice: str) -> Constraint | None:
+    """The chat answer's constraint: for tool_choice "required" or a named function the JSON schema
+    of the calls (`forced_tool_calls.tool_choice_schema`, as vLLM does), else the request's
+    structured output. Both asking is a 400 naming the structured-output field."""
+    asked = structured_output(body)
     if choice not in ("required", "named"):
-        return None
-    raise APIError(400, f"tool_choice={json.dumps(body.tool_choice)} needs the answer constrained to a call, which "
-                        f"needs structured output; this server does not have it yet: use 'auto'", param="tool_choice")
+        return asked
+    if asked is not None:
+        raise APIError(400, f"{asked.field} asks for a constraint, and so does tool_choice="
+                            f"{json.dumps(body.tool_choice)} (the answer is held to the calls' schema); send one",
+                       param=asked.field)
+    schema = tool_choice_schema(body.tools, named_function(body), body.parallel_tool_calls)
+    return Constraint("tool_choice", StructuredOutputsParams(json=schema))
 
 
 def tool_call_parser(body: ChatBody, parsers: ChatParsers, choice: str) -> ToolCallParser | ForcedCallParser | None:

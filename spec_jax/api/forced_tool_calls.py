@@ -6,8 +6,7 @@ to JSON by a schema (`tool_choice_schema`) and read back as calls (`ForcedCallPa
   the tools' with that tool's parameter schema (at most one item with parallel_tool_calls false);
 * a named function: the JSON object of that function's arguments.
 
-The constraint needs the grammar engine (structured output); until it is wired the server refuses
-these choices (`chat_requests.tool_choice`)."""
+The server holds the answer to the schema with structured output (`chat_requests.chat_constraint`)."""
 
 from __future__ import annotations
 

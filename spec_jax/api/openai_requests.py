@@ -4,6 +4,7 @@ the request bodies (vLLM's extensions included), and their checks and translatio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -13,7 +14,9 @@ from pydantic import BaseModel, ConfigDict
 
 from spec_jax.api.llm import LLM
 from spec_jax.api.scheduler import MAX_STOP_TOKEN_IDS
+from spec_jax.api.structured_requests import StructuredRequestError, structured_outputs_from_body
 from spec_jax.engine.params import MAX_LOGPROBS, SamplingParams
+from spec_jax.engine.structured import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -117,16 +120,15 @@ NOT_IMPLEMENTED = {
     "media_io_kwargs": None, "functions": None, "function_call": None, "reasoning_effort": None, "audio": None,
     "modalities": None, "prediction": None, "service_tier": None, "store": False, "metadata": None,
     "web_search_options": None, "verbosity": None, "suffix": None,
-    "guided_whitespace_pattern": None,
 }
 # Per endpoint: vLLM's chat `echo` (repeat the last message) and `add_special_tokens` defaults.
 NOT_IMPLEMENTED_CHAT = {"echo": False, "add_special_tokens": False}
 NOT_IMPLEMENTED_COMPLETIONS = {"add_special_tokens": True}
 
-# Structured output, in every form vLLM reads: refused by name until the grammar engine is wired
-# in `structured_output` below.
+# Structured output's fields beyond the declared response_format, in every form vLLM reads
+# (`structured_output` reads them).
 STRUCTURED_OUTPUT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                            "guided_decoding_backend")
+                            "guided_whitespace_pattern", "guided_decoding_backend")
 
 
 def refuse_unknown(body: SamplingFields) -> None:
@@ -146,20 +148,28 @@ def refuse_unknown(body: SamplingFields) -> None:
             raise APIError(400, f"unrecognized request field {name!r}: this server does not know it", param=name)
 
 
-def structured_output(body: SamplingFields) -> None:
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """A request's output constraint and the request field that asked for it (its errors name it)."""
+
+    field: str
+    params: StructuredOutputsParams
+
+
+def structured_output(body: SamplingFields) -> Constraint | None:
     """The request's structured-output constraint: response_format json_object / json_schema,
-    `structured_outputs`, vLLM's legacy guided_* fields. Not built yet: any of them set is a 400
-    naming it, so a constraint is never silently dropped. (The place to call the grammar
-    engine's translation of these fields, `spec_jax.api.structured_requests`.)"""
-    extra = body.model_extra or {}
-    for name in STRUCTURED_OUTPUT_FIELDS:
-        if extra.get(name) is not None:
-            raise APIError(400, f"{name} is not supported by this server yet (structured output is not built); "
-                                f"leave it unset", param=name)
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise APIError(400, f"response_format type {kind!r} is not supported by this server yet (structured output "
-                            f"is not built); leave it unset or 'text'", param="response_format")
+    `structured_outputs`, vLLM's legacy guided_* fields (`structured_outputs_from_body`); None
+    when it asks for none. A malformed field, or two asking, is a 400 naming the field."""
+    fields = {**(body.model_extra or {}), "response_format": body.response_format}
+    try:
+        params = structured_outputs_from_body(fields)
+    except StructuredRequestError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    if params is None:
+        return None
+    asked = [name for name in ("response_format", *STRUCTURED_OUTPUT_FIELDS) if fields.get(name) is not None
+             and not (name == "response_format" and fields[name].get("type") == "text")]
+    return Constraint(asked[0], params)
 
 
 FLOAT32 = np.finfo(np.float32)
@@ -189,9 +199,12 @@ def requested_logprobs(body: SamplingFields) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def sampling_params(llm: LLM, body: SamplingFields, max_tokens: int | None) -> SamplingParams:
-    """The request's SamplingParams, checked against the served model; a bad field is a 400 naming it."""
+def sampling_params(llm: LLM, body: SamplingFields, max_tokens: int | None,
+                    constraint: Constraint | None = None) -> SamplingParams:
+    """The request's SamplingParams, checked against the served model, constrained by `constraint`;
+    a bad field is a 400 naming it (a grammar that does not compile names the constraint's field)."""
     check_float32(body)
+    check_constraint(llm, constraint)
     if len(body.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
         raise APIError(400, f"{len(body.stop_token_ids)} stop_token_ids given; at most {MAX_STOP_TOKEN_IDS} are "
                             f"supported", param="stop_token_ids")
@@ -205,12 +218,24 @@ def sampling_params(llm: LLM, body: SamplingFields, max_tokens: int | None) -> S
                                 bad_words=body.bad_words, allowed_token_ids=body.allowed_token_ids,
                                 logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
                                 best_of=getattr(body, "best_of", None),
-                                skip_special_tokens=body.skip_special_tokens, speculative=body.speculative)
+                                skip_special_tokens=body.skip_special_tokens, speculative=body.speculative,
+                                structured_outputs=constraint and constraint.params)
         llm.check_params(params)
         return params
     except ValueError as e:
         name = re.match(r"\w+", str(e))
         raise APIError(400, str(e), param=name.group(0) if name else None) from None
+
+
+def check_constraint(llm: LLM, constraint: Constraint | None) -> None:
+    """The constraint compiles for the served model (compiled grammars are cached, so the
+    request's own check reuses it); a 400 naming its field otherwise."""
+    if constraint is None:
+        return
+    try:
+        llm.check_params(SamplingParams(max_tokens=1, structured_outputs=constraint.params))
+    except ValueError as e:
+        raise APIError(400, f"{constraint.field}: {e}", param=constraint.field) from None
 
 
 def stop_strings(body: SamplingFields) -> list[str]:

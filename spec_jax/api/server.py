@@ -11,8 +11,9 @@ otherwise); the others stay open, as in vLLM. Extensions beyond OpenAI's fields,
 vLLM's: top_k, min_p, repetition_penalty, min_tokens, bad_words, allowed_token_ids,
 stop_token_ids, ignore_eos, skip_special_tokens, return_token_ids, truncate_prompt_tokens,
 prompt_logprobs, chat_template_kwargs, add_generation_prompt, continue_final_message, and the
-per-request `speculative` opt-out. Penalties, logit_bias and logprobs hold with speculation on, as
-offline. A field the server does not implement is a 400 naming it (`openai_requests.refuse_unknown`).
+per-request `speculative` opt-out. Penalties, logit_bias, logprobs and structured output
+(response_format, structured_outputs, guided_*; `openai_requests.structured_output`) hold with
+speculation on, as offline. A field the server does not implement is a 400 naming it (`openai_requests.refuse_unknown`).
 
 Chat answers are split into reasoning, content and tool calls by the parsers the server was
 started with (`chat_requests.ChatParsers`, `chat_output`).
@@ -39,8 +40,8 @@ from starlette.exceptions import HTTPException
 
 from spec_jax.api.chat import ChatTemplate, RequestError
 from spec_jax.api.chat_output import ChatChoiceText, ChatDelta, chat_message
-from spec_jax.api.chat_requests import (ChatParsers, check_tools, template_messages, tool_call_parser, tool_choice,
-                                        tool_choice_constraint)
+from spec_jax.api.chat_requests import (ChatParsers, chat_constraint, check_tools, template_messages, tool_call_parser,
+                                        tool_choice)
 from spec_jax.api.llm import LLM
 from spec_jax.api.logprobs_format import LogprobsFormat, prompt_logprobs_json
 from spec_jax.api.openai_requests import (APIError, ChatBody, CompletionBody, SamplingFields, body_error,
@@ -141,8 +142,7 @@ class Server:
 def prepare_completion(server: Server, body: CompletionBody) -> tuple[SamplingParams, list[list[int]]]:
     """A completion request's checked SamplingParams and prompts' token ids (with room for
     max_tokens): long texts take seconds to tokenize, so it runs in a worker thread."""
-    structured_output(body)
-    params = sampling_params(server.llm, body, body.max_tokens)
+    params = sampling_params(server.llm, body, body.max_tokens, structured_output(body))
     prompts = completion_prompts(server, body.prompt, params.n, body.truncate_prompt_tokens)
     for ids in prompts:
         server.check_room(ids, body.max_tokens, "max_tokens")
@@ -162,10 +162,9 @@ def prepare_chat(server: Server, body: ChatBody) -> tuple[SamplingParams, list[i
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
     check_tools(body)
     choice = tool_choice(body, server.parsers)
-    tool_choice_constraint(body, choice)  # with structured output, a constraint beside structured_output's
-    structured_output(body)
+    constraint = chat_constraint(body, choice)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(server.llm, body, max_tokens)
+    params = sampling_params(server.llm, body, max_tokens, constraint)
     extra = {"add_generation_prompt": body.add_generation_prompt, **(body.chat_template_kwargs or {})}
     if body.tools is not None:
         extra["tools"] = body.tools
