@@ -43,6 +43,7 @@ class ChainedHeadProposer(abc.ABC):
     """k drafts a step. A method supplies its head through the five hooks below."""
 
     k: int
+    shorter_drafts = True  # the chain's first j drafts do not depend on how far it goes
 
     @abc.abstractmethod
     def init_cache(self, model, draft, batch: int, max_len: int) -> KVCache:

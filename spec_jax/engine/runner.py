@@ -209,10 +209,13 @@ class Runner:
         return self.run("start_decode", fn, cache, last_blocks, hidden, taps, prompts, prompt_lengths, *rest,
                         static=static, donate=(0,))
 
-    def decode(self, plan: SpecPlan | None, state: DecodeState, max_steps: int, do_sample: bool) -> DecodeState:
-        """Up to max_steps steps of `decode_loop` under `plan` on `state` (donated)."""
+    def decode(self, plan: SpecPlan | None, state: DecodeState, max_steps: int, do_sample: bool,
+               step_times=None) -> DecodeState:
+        """Up to max_steps steps of `decode_loop` under `plan` on `state` (donated); step_times [W]:
+        an adaptive plan's cost model (`adaptive.StepTimes`), data to the program."""
         fn = partial(decode_loop, do_sample=do_sample, plan=plan)
-        return self.run("decode", fn, state, jnp.asarray(max_steps, jnp.int32), static=(plan, do_sample),
+        times = None if step_times is None else jnp.asarray(step_times, jnp.float32)
+        return self.run("decode", fn, state, jnp.asarray(max_steps, jnp.int32), times, static=(plan, do_sample),
                         donate=(0,))
 
     def insert(self, state: DecodeState, row: int, new: DecodeState) -> DecodeState:
