@@ -103,6 +103,7 @@ class StepTimes:
         self.n_widths, self.steps = n_widths, steps
         self.measured: list[float] = []
         self.warm = False  # whether the width being timed has run its untimed step
+        self.timed = (0, 0.0)  # its timed steps and seconds so far
 
     @classmethod
     def measured(cls, seconds) -> "StepTimes":
@@ -124,11 +125,11 @@ class StepTimes:
     def calibrate(self, run: Callable, state, budget: int):
         """Run the state's next steps at forced widths, timing each width, within `budget` steps.
         run(state, steps, step_times) -> state runs up to that many steps under those step times.
-        Returns (state, steps left of the budget). A width whose timed steps ran short (every row
-        finished, or the budget ended) is timed again on the next call."""
+        Returns (state, steps left of the budget). Calls that end before the budget (every row
+        finished) are not timed; a width timed in part goes on at the next call."""
         while not self.done and budget > 0 and not bool(jnp.all(state.done)):
             force = forcing(self.n_widths, len(self.measured))
-            n = 1 if not self.warm else min(self.steps, budget)
+            n = 1 if not self.warm else min(self.steps - self.timed[0], budget)
             before = int(state.steps)
             t0 = time.perf_counter()
             state = run(state, n, force)
@@ -137,7 +138,10 @@ class StepTimes:
             budget -= ran
             if not self.warm:
                 self.warm = True
-            elif ran == self.steps:
-                self.measured.append(elapsed / ran)
-                self.warm = False
+            elif ran == n:
+                steps, seconds = self.timed[0] + ran, self.timed[1] + elapsed
+                self.timed = (steps, seconds)
+                if steps == self.steps:
+                    self.measured.append(seconds / steps)
+                    self.warm, self.timed = False, (0, 0.0)
         return state, budget
