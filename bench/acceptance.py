@@ -48,7 +48,16 @@ def prompts_for(kind: str, args, llm: LLM) -> list[list[int]]:
     return [stream[s:s + args.prompt_tokens].tolist() for s in starts]
 
 
+# The table's methods verify every draft every step: the bounds hold a fixed k against the oracle's.
+# An --extra-spec without this field runs under adaptive verification (the engine's default).
+FIXED_K = {"enable_adaptive_verification": False}
+
+
 def speculative_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
+    return [{**spec, **FIXED_K} for spec in drafter_configs(model_dir, has_mtp)]
+
+
+def drafter_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
     specs = [{"method": "mtp", "num_speculative_tokens": k} for k in (1, 2, 3)] if has_mtp else []
     specs.append({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
     if (model_dir / "dflash" / "config.json").exists():
@@ -191,10 +200,10 @@ def main(argv=None) -> None:
         if args.methods is not None:
             specs = [spec for spec in specs if label(spec).startswith(tuple(args.methods))]
         ks = sorted({spec["num_speculative_tokens"] for spec in specs})
-        oracle = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k}) for k in ks}
+        oracle = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k, **FIXED_K}) for k in ks}
         # every draft a wrong token: acceptance 0
         oracle_rejecting = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k,
-                                                      "oracle_corruption_rate": 1.0}) for k in ks}
+                                                      "oracle_corruption_rate": 1.0, **FIXED_K}) for k in ks}
         plain, reference = timed({"off": base})["off"]
         for spec in [None, *specs]:
             r, tokens = {**plain, "speedup": 1.0}, reference

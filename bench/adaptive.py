@@ -24,8 +24,7 @@ import time
 
 import jax
 
-from bench.common import Ceilings
-from bench.models import geometry_config, random_drafter, random_model, random_prompts
+from bench.models import GEOMETRIES, geometry_config, random_drafter, random_model, random_prompts
 from bench.scale import at_acceptance, synthetic
 from spec_jax import LLM, SamplingParams
 from spec_jax.engine.adaptive import StepTimes, compiled_widths, forcing
@@ -101,7 +100,7 @@ def method_rows(llm: LLM, method: str, args) -> tuple[list[dict], dict]:
         if not args.no_fixed_program:
             fixed = llm.with_speculation(synthetic({**base, "enable_adaptive_verification": False}, 0.0), draft=draft)
             rows += cells(fixed, {"method": method, "config": "fixed_program", "k": k}, **run)
-    times = {B: {"widths": list(adaptive.engine.plan.widths), "step_ms": [1e3 * t for t in s.times()]}
+    times = {B: {"widths": list(adaptive.engine.plan.widths), "step_ms": [1e3 * float(t) for t in s.times()]}
              for B, s in adaptive.engine.step_times.items()}
     print(json.dumps({"method": method, "measured_step_times": times}), flush=True)
     return rows, times
@@ -137,7 +136,7 @@ def print_grid(table: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--geometry", default="27b")
+    ap.add_argument("--geometry", default="27b", choices=GEOMETRIES)
     ap.add_argument("--layers", type=int, default=None, help="keep only this many target layers (cheaper runs)")
     ap.add_argument("--methods", nargs="+", default=["mtp", "dflash"], choices=["mtp", "dflash"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -155,15 +154,13 @@ def main() -> None:
     args = ap.parse_args()
 
     claim_device_memory(args.gpu_memory_utilization)
-    ceilings = Ceilings.measure()
-    print(ceilings.summary(), flush=True)
     t0 = time.perf_counter()
     cfg = geometry_config(args.geometry, args.layers)
     model = random_model(cfg)
     llm = LLM(model=model, max_model_len=args.prompt_len + args.new_tokens + 64 + DFLASH_BLOCK,
               max_num_seqs=max(args.batch), batch_buckets=args.batch)
     result = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
-              "ceilings": vars(ceilings), "args": vars(args), "plain": {}, "rows": [], "step_times": {}}
+              "args": vars(args), "plain": {}, "rows": [], "step_times": {}}
     save = lambda: args.json and pathlib.Path(args.json).write_text(json.dumps(result, indent=1))  # noqa: E731
     for B in args.batch:
         warm(llm, B, args.new_tokens, args.prompt_len)
