@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 # A new row's estimate at every position: a coin flip, until its own steps say otherwise.
-PRIOR = 0.5
+PRIOR = 0.7
 # Weight of one observation in the running estimate (about the last 8 steps count).
 LEARNING_RATE = 0.125
-# Per step, a position no step verified drifts this share of the way back to PRIOR, so that a row
-# whose drafts stopped being verified is tried again once its estimate has recovered enough.
+# Per step that verifies no draft of a row, its estimates drift this share of the way back to
+# PRIOR, so that a row whose drafts stopped being verified is tried again once they have recovered.
 RELAXATION = 1 / 256
 # A width the calibration is not timing costs this much: the choice never takes it.
 FORBIDDEN = 1e30
@@ -77,14 +77,18 @@ def choose_verify_lengths(estimates: jax.Array, step_times: jax.Array, widths: t
 def update_estimates(estimates: jax.Array, verified: jax.Array, accepted: jax.Array) -> jax.Array:
     """estimates [B, k] after a step where each row verified `verified` [B] drafts and accepted
     the first `accepted` [B] of them. Position i was tried when i < verified and every draft
-    before it was accepted (i <= accepted): it moves LEARNING_RATE toward 1 (accepted) or 0. A
-    position past the verified ones relaxes toward PRIOR; one after a rejection stays."""
+    before it was accepted (i <= accepted): it moves LEARNING_RATE toward 1 (accepted) or 0; one
+    after a rejection stays. Positions past the verified ones move LEARNING_RATE toward the
+    deepest verified one's estimate, so that a wider width is tried as soon as the verified
+    drafts earn it; a row that verified nothing relaxes toward PRIOR by RELAXATION."""
     i = jnp.arange(estimates.shape[1])[None, :]
     tried = (i < verified[:, None]) & (i <= accepted[:, None])
     outcome = (i < accepted[:, None]).astype(estimates.dtype)
-    learned = estimates + LEARNING_RATE * (outcome - estimates)
-    relaxed = estimates + RELAXATION * (PRIOR - estimates)
-    return jnp.where(tried, learned, jnp.where(i >= verified[:, None], relaxed, estimates))
+    learned = jnp.where(tried, estimates + LEARNING_RATE * (outcome - estimates), estimates)
+    deepest = jnp.take_along_axis(learned, jnp.maximum(verified - 1, 0)[:, None], axis=1)  # [B, 1]
+    beyond = jnp.where(verified[:, None] > 0, estimates + LEARNING_RATE * (deepest - estimates),
+                       estimates + RELAXATION * (PRIOR - estimates))
+    return jnp.where(i >= verified[:, None], beyond, learned)
 
 
 def forcing(n_widths: int, index: int) -> np.ndarray:

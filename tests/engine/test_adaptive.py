@@ -100,14 +100,17 @@ def test_the_choice_maximises_expected_tokens_per_second(seed):
     assert np.asarray(counts).tolist() == [min(WIDTHS[int(index)], limit[r]) if live[r] else 0 for r in range(B)]
 
 
-def test_estimates_learn_from_tried_positions_and_relax_past_the_verified_ones():
-    est = jnp.full((3, 4), 0.6, jnp.float32)
-    # row 0 verified 3, accepted 1 (position 0 accepted, 1 rejected, 2 unseen after the rejection);
-    # row 1 verified 2, accepted both; row 2 verified none
+def test_estimates_learn_from_tried_positions_and_follow_the_deepest_past_it():
+    est = jnp.asarray([[0.6, 0.6, 0.6, 0.2]] * 2 + [[0.6] * 4], jnp.float32)
+    # row 0 verified 3, accepted 1 (position 0 accepted, 1 rejected, 2 unseen after the rejection,
+    # 3 past the verified: toward position 2's 0.6); row 1 verified 2 and accepted both (2 and 3
+    # toward position 1's new estimate); row 2 verified none (every position toward the prior)
     out = np.asarray(update_estimates(est, jnp.asarray([3, 2, 0]), jnp.asarray([1, 2, 0])))
     up, down = 0.6 + LEARNING_RATE * 0.4, 0.6 - LEARNING_RATE * 0.6
     relaxed = 0.6 + RELAXATION * (PRIOR - 0.6)
-    np.testing.assert_allclose(out, [[up, down, 0.6, relaxed], [up, up, relaxed, relaxed], [relaxed] * 4], rtol=1e-6)
+    np.testing.assert_allclose(out, [[up, down, 0.6, 0.2 + LEARNING_RATE * 0.4],
+                                     [up, up, 0.6 + LEARNING_RATE * (up - 0.6), 0.2 + LEARNING_RATE * (up - 0.2)],
+                                     [relaxed] * 4], rtol=1e-6)
 
 
 def test_given_step_times_are_checked():
