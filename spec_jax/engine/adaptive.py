@@ -28,8 +28,9 @@ LEARNING_RATE = 0.125
 RELAXATION = 1 / 256
 # A width the calibration is not timing costs this much: the choice never takes it.
 FORBIDDEN = 1e30
-# Timed steps per width when a batch bucket is calibrated (after one untimed step at that width).
+# Timed steps per width and rounds of them when a batch bucket is calibrated (`StepTimes`).
 CALIBRATION_STEPS = 6
+CALIBRATION_ROUNDS = 2
 
 
 def compiled_widths(k: int) -> tuple[int, ...]:
@@ -98,54 +99,65 @@ def forcing(n_widths: int, index: int) -> np.ndarray:
     return times
 
 
+def monotone(seconds: np.ndarray) -> np.ndarray:
+    """Step times [W] with none above a wider width's: a narrower step does a part of a wider one's
+    work, so a higher figure is noise (another process on the device, a first run)."""
+    return np.minimum.accumulate(np.asarray(seconds, np.float32)[::-1])[::-1]
+
+
 class StepTimes:
     """The cost model of one batch bucket: seconds of a step at each compiled width, measured on
     the batch's own first steps (verifying any prefix emits the same tokens, so those steps are
-    real decoding). Until every width is timed, all widths count as equally fast."""
+    real decoding): one untimed step at each width, then CALIBRATION_ROUNDS rounds of
+    CALIBRATION_STEPS timed steps at each, the fastest round kept (`monotone`). Until every width
+    is timed, all widths count as equally fast."""
 
-    def __init__(self, n_widths: int, steps: int = CALIBRATION_STEPS):
-        self.n_widths, self.steps = n_widths, steps
-        self.measured: list[float] = []
-        self.warm = False  # whether the width being timed has run its untimed step
-        self.timed = (0, 0.0)  # its timed steps and seconds so far
+    def __init__(self, n_widths: int, steps: int = CALIBRATION_STEPS, rounds: int = CALIBRATION_ROUNDS):
+        self.n_widths = n_widths
+        # (width index, steps, timed) in the order they run
+        self.pieces = [(i, 1, False) for i in range(n_widths)] + [(i, steps, True) for _ in range(rounds)
+                                                                  for i in range(n_widths)]
+        self.best = np.full((n_widths,), np.inf)
+        self.timed = (0, 0.0)  # steps and seconds of the piece under way
 
     @classmethod
     def measured(cls, seconds) -> "StepTimes":
         """A cost model given rather than measured here: seconds [W] of a step at each width."""
         if not len(seconds) or not all(s > 0 for s in seconds):
             raise ValueError(f"step times must be positive seconds, one per verify width, got {list(seconds)}")
-        times = cls(len(seconds))
-        times.measured = [float(s) for s in seconds]
+        times = cls(len(seconds), rounds=0)
+        times.pieces, times.best = [], np.asarray(seconds, np.float64)
         return times
 
     @property
     def done(self) -> bool:
-        return len(self.measured) == self.n_widths
+        return not self.pieces
 
     def times(self) -> np.ndarray:
         """[W] float32 seconds per step (ones until calibrated)."""
-        return np.asarray(self.measured if self.done else np.ones(self.n_widths), np.float32)
+        return monotone(self.best) if self.done else np.ones(self.n_widths, np.float32)
 
     def calibrate(self, run: Callable, state, budget: int):
         """Run the state's next steps at forced widths, timing each width, within `budget` steps.
         run(state, steps, step_times) -> state runs up to that many steps under those step times.
-        Returns (state, steps left of the budget). Calls that end before the budget (every row
-        finished) are not timed; a width timed in part goes on at the next call."""
-        while not self.done and budget > 0 and not bool(jnp.all(state.done)):
-            force = forcing(self.n_widths, len(self.measured))
-            n = 1 if not self.warm else min(self.steps - self.timed[0], budget)
+        Returns (state, steps left of the budget). A piece cut by the budget goes on at the next
+        call; one cut because every row finished is not counted."""
+        while self.pieces and budget > 0 and not bool(jnp.all(state.done)):
+            index, steps, timed = self.pieces[0]
+            n = min(steps - self.timed[0], budget)
             before = int(state.steps)
             t0 = time.perf_counter()
-            state = run(state, n, force)
+            state = run(state, n, forcing(self.n_widths, index))
             ran = int(state.steps) - before  # reading steps waits for the program
             elapsed = time.perf_counter() - t0
             budget -= ran
-            if not self.warm:
-                self.warm = True
-            elif ran == n:
-                steps, seconds = self.timed[0] + ran, self.timed[1] + elapsed
-                self.timed = (steps, seconds)
-                if steps == self.steps:
-                    self.measured.append(seconds / steps)
-                    self.warm, self.timed = False, (0, 0.0)
+            if ran < n:  # every row finished
+                self.timed = (0, 0.0)
+                break
+            done_steps, seconds = self.timed[0] + ran, self.timed[1] + elapsed
+            self.timed = (done_steps, seconds) if done_steps < steps else (0, 0.0)
+            if done_steps == steps:
+                self.pieces.pop(0)
+                if timed:
+                    self.best[index] = min(self.best[index], seconds / steps)
         return state, budget

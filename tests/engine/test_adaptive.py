@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from spec_jax import LLM, SamplingParams
-from spec_jax.engine.adaptive import (CALIBRATION_STEPS, LEARNING_RATE, PRIOR, RELAXATION, StepTimes,
-                                      choose_verify_lengths, compiled_widths, update_estimates)
+from spec_jax.engine.adaptive import (CALIBRATION_ROUNDS, CALIBRATION_STEPS, LEARNING_RATE, PRIOR, RELAXATION,
+                                      StepTimes, choose_verify_lengths, compiled_widths, monotone, update_estimates)
 
 WIDTHS = (0, 1, 3, 7, 15)
 
@@ -113,13 +113,42 @@ def test_estimates_learn_from_tried_positions_and_follow_the_deepest_past_it():
                                      [relaxed] * 4], rtol=1e-6)
 
 
+@dataclasses.dataclass
+class Steps:
+    """What calibration reads of a decode state: steps run, rows done."""
+
+    steps: jnp.ndarray
+    done: jnp.ndarray
+
+
+def test_calibration_times_every_width_in_pieces_that_fit_any_budget():
+    forced = []
+
+    def run(state, n, times):
+        forced.append((int(np.argmin(times)), n))
+        return Steps(state.steps + n, state.done)
+
+    times, state = StepTimes(3, steps=2, rounds=2), Steps(jnp.asarray(0), jnp.asarray([False]))
+    while not times.done:
+        state, left = times.calibrate(run, state, 3)
+        assert left == 0
+    assert forced[:3] == [(0, 1), (1, 1), (2, 1)]  # one untimed step each, then the timed rounds
+    assert [sum(n for w, n in forced if w == i) for i in range(3)] == [5, 5, 5]
+    assert times.times().shape == (3,) and np.all(np.diff(times.times()) >= 0) and np.all(times.times() > 0)
+    assert StepTimes(2).calibrate(run, Steps(jnp.asarray(0), jnp.asarray([True])), 5)[1] == 5  # nothing to run
+
+
+def test_a_narrower_width_never_costs_more_than_a_wider_one():
+    np.testing.assert_allclose(monotone([32.0, 9.0, 22.0, 21.0, 40.0]), [9.0, 9.0, 21.0, 21.0, 40.0])
+
+
 def test_given_step_times_are_checked():
     assert StepTimes.measured([1.0, 2.0]).times().tolist() == [1.0, 2.0]
     with pytest.raises(ValueError, match="must be positive seconds"):
         StepTimes.measured([1.0, 0.0])
 
 
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
@@ -149,7 +178,8 @@ def test_a_bucket_times_every_width_on_its_first_steps(echo_dir, plain):
     assert times.done and all(t > 0 for t in times.times())
     lengths = llm.metrics["num_steps_per_verify_length"]
     # each width ran its untimed and timed steps, every live row verifying min(width, its room)
-    assert len(lengths) == 4 and all(lengths[w] >= len(outs) * (CALIBRATION_STEPS + 1) for w in (0, 1))
+    calibration = 1 + CALIBRATION_ROUNDS * CALIBRATION_STEPS
+    assert len(lengths) == 4 and all(lengths[w] >= len(outs) * calibration for w in (0, 1))
 
 
 def test_a_given_cost_model_sets_the_width_and_output_stays_plain(echo_dir, plain):
@@ -168,4 +198,4 @@ def test_fixed_k_verifies_every_draft(echo_dir, plain):
     assert tokens == plain and not llm.engine.step_times
     for o in outs:
         lengths = o.metrics["num_steps_per_verify_length"]
-        assert lengths[3] > 0 and sum(lengths[:3]) <= 2  # shorter only in the last steps, out of room
+        assert lengths[3] > 0 and sum(lengths[:3]) <= 3  # shorter only in the last steps, out of room
