@@ -54,10 +54,6 @@ FIXED_K = {"enable_adaptive_verification": False}
 
 
 def speculative_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
-    return [{**spec, **FIXED_K} for spec in drafter_configs(model_dir, has_mtp)]
-
-
-def drafter_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
     specs = [{"method": "mtp", "num_speculative_tokens": k} for k in (1, 2, 3)] if has_mtp else []
     specs.append({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
     if (model_dir / "dflash" / "config.json").exists():
@@ -69,7 +65,7 @@ def drafter_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
     if (model_dir / "draft" / "config.json").exists():
         specs += [{"method": "draft_model", "model": str(model_dir / "draft"), "num_speculative_tokens": k}
                   for k in (3, 4)]
-    return specs
+    return [{**spec, **FIXED_K} for spec in specs]
 
 
 def timed_together(llms: dict[str, LLM], prompts, params: SamplingParams, batch: int,

@@ -27,7 +27,7 @@ import jax
 from bench.models import GEOMETRIES, geometry_config, random_drafter, random_model, random_prompts
 from bench.scale import at_acceptance, synthetic
 from spec_jax import LLM, SamplingParams
-from spec_jax.engine.adaptive import StepTimes, compiled_widths, forcing
+from spec_jax.engine.adaptive import CALIBRATION_ROUNDS, CALIBRATION_STEPS, StepTimes, compiled_widths, forcing
 from spec_jax.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, claim_device_memory
 
 DFLASH_BLOCK = 16
@@ -47,11 +47,19 @@ def timed_run(llm: LLM, batch: int, new_tokens: int, prompt_len: int) -> dict:
     return row
 
 
+def warm_tokens(new_tokens: int) -> int:
+    """Tokens of a warm-up run: enough steps at acceptance 0 (one token each) to calibrate k = 15."""
+    return max(new_tokens, (1 + CALIBRATION_ROUNDS * CALIBRATION_STEPS) * len(compiled_widths(DFLASH_BLOCK - 1)) + 8)
+
+
 def warm(llm: LLM, batch: int, new_tokens: int, prompt_len: int) -> None:
-    """Compile the bucket's programs and, under an adaptive plan, time its widths: a run at
-    acceptance 0 emits one token a step, so `new_tokens` steps cover the calibration."""
+    """Compile the bucket's programs and, under an adaptive plan, time its widths (a run at
+    acceptance 0 emits one token a step)."""
     spec = llm.speculative_config
-    timed_run(at_acceptance(llm, 0.0) if spec is not None else llm, batch, new_tokens, prompt_len)
+    timed_run(at_acceptance(llm, 0.0) if spec is not None else llm, batch, warm_tokens(new_tokens), prompt_len)
+    plan = llm.engine.plan
+    if plan is not None and plan.adaptive and not llm.engine.step_times[batch].done:
+        raise SystemExit(f"the warm-up run of batch {batch} ended before its widths were timed")
 
 
 def cells(llm: LLM, label: dict, batches, accepts, new_tokens, prompt_len, force: int | None = None) -> list[dict]:
@@ -59,7 +67,7 @@ def cells(llm: LLM, label: dict, batches, accepts, new_tokens, prompt_len, force
     adaptive program held at widths[force] (the bucket's measured step times kept aside)."""
     rows = []
     for B in batches:
-        warm(llm, B, max(new_tokens, 64), prompt_len)
+        warm(llm, B, new_tokens, prompt_len)
         kept = llm.engine.step_times.get(B)
         if force is not None:
             llm.engine.step_times[B] = StepTimes.measured(forcing(len(llm.engine.plan.widths), force))
@@ -157,7 +165,7 @@ def main() -> None:
     t0 = time.perf_counter()
     cfg = geometry_config(args.geometry, args.layers)
     model = random_model(cfg)
-    llm = LLM(model=model, max_model_len=args.prompt_len + args.new_tokens + 64 + DFLASH_BLOCK,
+    llm = LLM(model=model, max_model_len=args.prompt_len + warm_tokens(args.new_tokens) + DFLASH_BLOCK,
               max_num_seqs=max(args.batch), batch_buckets=args.batch)
     result = {"geometry": args.geometry, "layers": cfg.num_hidden_layers, "device": jax.devices()[0].device_kind,
               "args": vars(args), "plain": {}, "rows": [], "step_times": {}}
