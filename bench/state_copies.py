@@ -1,7 +1,8 @@
 """Which per-row state a compiled decode program copies every step: for each leaf of the decode
 state (the target's caches, the proposer's state), how many `copy` instructions of its exact shape
-the optimized HLO holds. A copy of the GDN recurrent state (float32, [G, B, nv, dk, dv]) inside the
-loop reads and writes all of it once more per step: at 27B dims and batch 32 that is 4.8 GB each.
+the optimized HLO runs inside the decode loop. A copy of the GDN recurrent state (float32,
+[G, B, nv, dk, dv]) reads and writes all of it once more per step: at 27B dims and batch 32 the
+48 GDN layers hold 4.8 GB.
 
     python -m bench.state_copies --geometry 27b --layers 8 --batch 32
     python -m bench.state_copies --geometry 27b --layers 8 --batch 32 \
@@ -31,9 +32,39 @@ def hlo_shape(leaf) -> str:
     return f"{HLO_DTYPES.get(str(leaf.dtype), str(leaf.dtype))}[{','.join(map(str, leaf.shape))}]"
 
 
+def computations(hlo: str) -> dict[str, str]:
+    """An HLO module's text split into its computations: name -> body text."""
+    found, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and name is None:
+            name, lines = head.group(1), []
+        elif line.startswith("}") and name is not None:
+            found[name], name = "\n".join(lines), None
+        elif name is not None:
+            lines.append(line)
+    return found
+
+
+def loop_text(hlo: str) -> str:
+    """The text of every computation a while loop's body runs (its branches, calls and nested
+    loops included): what runs once per step of the decode loop."""
+    comps = computations(hlo)
+    callee = r"(?:body|condition|to_apply|calls|branch_computations=\{)[=]?%?([\w.\-]+)|, %([\w.\-]+)"
+    todo = [b for text in comps.values() for b in re.findall(r"body=%?([\w.\-]+)", text)]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        todo += [a or b for a, b in re.findall(callee, comps[name])]
+    return "\n".join(comps[name] for name in seen)
+
+
 def copies_of(hlo: str, shape: str) -> int:
-    """copy instructions whose result has exactly `shape` (with any layout)."""
-    return len(re.findall(re.escape("= " + shape) + r"(?:\{[^}]*\})? copy\(", hlo))
+    """copy instructions inside the decode loop whose result has exactly `shape` (any layout)."""
+    return len(re.findall(re.escape("= " + shape) + r"(?:\{[^}]*\})? copy\(", loop_text(hlo)))
 
 
 def program_copies(llm: LLM, batch: int, prompt_len: int) -> list[dict]:

@@ -137,20 +137,28 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, step_times: jax.Ar
 
     w is k, or with adaptive verification (`plan.adaptive`) the width `choose_verify_lengths`
     takes from the rows' acceptance estimates and step_times [W] (seconds of a step at each of
-    plan.widths); each width is its own branch of the program. A row verifies at most its limit:
+    plan.widths); each width is its own branch of the program (`run_one`). A row verifies at most its limit:
     0 when it does not speculate (or is done), else the room before its max length; its verify
     pass is then a plain decode step of one token, in the same batch.
     """
     live = ~state.done
     room = jnp.maximum(state.max_lengths - state.lengths - 1, 0)
     limit = jnp.where(state.speculate & live, jnp.minimum(room, plan.k), 0)
-    at = partial(step_at_width, model, draft, state, plan=plan, do_sample=do_sample)
     if plan.adaptive:
         index, limit = choose_verify_lengths(state.acceptance_estimates, step_times, plan.widths, live, limit)
-        n_draft, n_acc, emitted, cache, pstate, raw = jax.lax.switch(
-            index, [partial(at, width=w) for w in plan.widths], limit)
+
+        def at(width, out):  # the step at this width, on the caches and proposer state carried in `out`
+            now = dataclasses.replace(state, cache=out[3], proposer=out[4])
+            return step_at_width(model, draft, now, limit, plan=plan, width=width, do_sample=do_sample)
+
+        B, k = live.shape[0], plan.k
+        raw = None if state.logprobs is None else jnp.zeros((B, k + 1, model.cfg.vocab_size), jnp.float32)
+        nothing = (jnp.zeros_like(limit), jnp.zeros_like(limit), jnp.zeros((B, k + 1), jnp.int32), state.cache,
+                   state.proposer, raw)
+        n_draft, n_acc, emitted, cache, pstate, raw = run_one(index, [partial(at, w) for w in plan.widths], nothing)
     else:
-        n_draft, n_acc, emitted, cache, pstate, raw = at(limit, width=plan.k)
+        n_draft, n_acc, emitted, cache, pstate, raw = step_at_width(model, draft, state, limit, plan=plan,
+                                                                    width=plan.k, do_sample=do_sample)
 
     s, k = state.stats, plan.k
     accepted_at = (jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None]
@@ -163,6 +171,16 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, step_times: jax.Ar
     state = append_tokens(state, emitted, n_acc + 1, cache, raw)
     return dataclasses.replace(state, proposer=pstate, stats=stats, steps=state.steps + 1,
                                acceptance_estimates=estimates)
+
+
+def run_one(index, branches, carry):
+    """branches[index](carry), each branch a loop of at most one trip: a loop updates the caches
+    in its carry in place, where XLA's conditional copies every cache a branch writes (the
+    step's whole state, each step). index: [] int32; every branch maps carry to its structure."""
+    for i, branch in enumerate(branches):
+        _, carry = jax.lax.while_loop(lambda c, i=i: c[0] == i, lambda c, b=branch: (-1, b(c[1])), (index, carry))
+        index = jnp.where(index == i, -1, index)
+    return carry
 
 
 def step_at_width(model: Qwen3_5Model, draft, state: DecodeState, limit, *, plan: SpecPlan, width: int,

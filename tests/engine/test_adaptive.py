@@ -4,6 +4,7 @@ steps, greedy output unchanged under a given cost model, the chosen lengths in t
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from spec_jax import LLM, SamplingParams
 from spec_jax.engine.adaptive import (CALIBRATION_ROUNDS, CALIBRATION_STEPS, LEARNING_RATE, PRIOR, RELAXATION,
                                       StepTimes, choose_verify_lengths, compiled_widths, monotone, update_estimates)
+from spec_jax.engine.step import run_one
 
 WIDTHS = (0, 1, 3, 7, 15)
 
@@ -140,6 +142,13 @@ def test_calibration_times_every_width_in_pieces_that_fit_any_budget():
 
 def test_a_narrower_width_never_costs_more_than_a_wider_one():
     np.testing.assert_allclose(monotone([32.0, 9.0, 22.0, 21.0, 40.0]), [9.0, 9.0, 21.0, 21.0, 40.0])
+
+
+def test_run_one_runs_the_indexed_branch_only():
+    branches = tuple(lambda c, i=i: c * 10 + i for i in range(3))
+    run = jax.jit(run_one, static_argnums=1)
+    for index in range(3):
+        assert int(run(jnp.asarray(index), branches, jnp.asarray(1))) == 10 + index
 
 
 def test_given_step_times_are_checked():
