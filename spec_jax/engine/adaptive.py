@@ -109,14 +109,16 @@ class StepTimes:
     """The cost model of one batch bucket: seconds of a step at each compiled width, measured on
     the batch's own first steps (verifying any prefix emits the same tokens, so those steps are
     real decoding): one untimed step at each width, then CALIBRATION_ROUNDS rounds of
-    CALIBRATION_STEPS timed steps at each, the fastest round kept (`monotone`). Until every width
-    is timed, all widths count as equally fast."""
+    CALIBRATION_STEPS timed steps at each, the fastest round kept (`monotone`), widest first (a
+    short first request still speculates). Until every width is timed, all widths count as
+    equally fast."""
 
     def __init__(self, n_widths: int, steps: int = CALIBRATION_STEPS, rounds: int = CALIBRATION_ROUNDS):
         self.n_widths = n_widths
         # (width index, steps, timed) in the order they run
-        self.pieces = [(i, 1, False) for i in range(n_widths)] + [(i, steps, True) for _ in range(rounds)
-                                                                  for i in range(n_widths)]
+        widest_first = range(n_widths - 1, -1, -1)
+        self.pieces = [(i, 1, False) for i in widest_first] + [(i, steps, True) for _ in range(rounds)
+                                                               for i in widest_first]
         self.best = np.full((n_widths,), np.inf)
         self.timed = (0, 0.0)  # steps and seconds of the piece under way
 

@@ -134,7 +134,7 @@ def test_calibration_times_every_width_in_pieces_that_fit_any_budget():
     while not times.done:
         state, left = times.calibrate(run, state, 3)
         assert left == 0
-    assert forced[:3] == [(0, 1), (1, 1), (2, 1)]  # one untimed step each, then the timed rounds
+    assert forced[:3] == [(2, 1), (1, 1), (0, 1)]  # one untimed step each, widest first, then the timed rounds
     assert [sum(n for w, n in forced if w == i) for i in range(3)] == [5, 5, 5]
     assert times.times().shape == (3,) and np.all(np.diff(times.times()) >= 0) and np.all(times.times() > 0)
     assert StepTimes(2).calibrate(run, Steps(jnp.asarray(0), jnp.asarray([True])), 5)[1] == 5  # nothing to run
@@ -186,9 +186,9 @@ def test_a_bucket_times_every_width_on_its_first_steps(echo_dir, plain):
     times = llm.engine.step_times[4]
     assert times.done and all(t > 0 for t in times.times())
     lengths = llm.metrics["num_steps_per_verify_length"]
-    # each width ran its untimed and timed steps, every live row verifying min(width, its room)
-    calibration = 1 + CALIBRATION_ROUNDS * CALIBRATION_STEPS
-    assert len(lengths) == 4 and all(lengths[w] >= len(outs) * calibration for w in (0, 1))
+    # each width ran its untimed and timed steps (rows verify min(width, their room) in them)
+    assert len(lengths) == 4 and all(lengths[w] > 0 for w in (0, 1, 3))
+    assert sum(lengths) >= (1 + CALIBRATION_ROUNDS * CALIBRATION_STEPS) * 3
 
 
 def test_a_given_cost_model_sets_the_width_and_output_stays_plain(echo_dir, plain):
