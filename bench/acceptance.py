@@ -48,6 +48,11 @@ def prompts_for(kind: str, args, llm: LLM) -> list[list[int]]:
     return [stream[s:s + args.prompt_tokens].tolist() for s in starts]
 
 
+# The table's methods verify every draft every step: the bounds hold a fixed k against the oracle's.
+# An --extra-spec without this field runs under adaptive verification (the engine's default).
+FIXED_K = {"enable_adaptive_verification": False}
+
+
 def speculative_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
     specs = [{"method": "mtp", "num_speculative_tokens": k} for k in (1, 2, 3)] if has_mtp else []
     specs.append({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
@@ -60,7 +65,7 @@ def speculative_configs(model_dir: Path, has_mtp: bool) -> list[dict]:
     if (model_dir / "draft" / "config.json").exists():
         specs += [{"method": "draft_model", "model": str(model_dir / "draft"), "num_speculative_tokens": k}
                   for k in (3, 4)]
-    return specs
+    return [{**spec, **FIXED_K} for spec in specs]
 
 
 def timed_together(llms: dict[str, LLM], prompts, params: SamplingParams, batch: int,
@@ -191,10 +196,10 @@ def main(argv=None) -> None:
         if args.methods is not None:
             specs = [spec for spec in specs if label(spec).startswith(tuple(args.methods))]
         ks = sorted({spec["num_speculative_tokens"] for spec in specs})
-        oracle = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k}) for k in ks}
+        oracle = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k, **FIXED_K}) for k in ks}
         # every draft a wrong token: acceptance 0
         oracle_rejecting = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k,
-                                                      "oracle_corruption_rate": 1.0}) for k in ks}
+                                                      "oracle_corruption_rate": 1.0, **FIXED_K}) for k in ks}
         plain, reference = timed({"off": base})["off"]
         for spec in [None, *specs]:
             r, tokens = {**plain, "speedup": 1.0}, reference

@@ -30,7 +30,10 @@ Choose = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array | None]]
 class Proposer(Protocol):
     """What the engine's speculative step calls (see above for shapes). Optional attributes:
     `taps` (target layers whose outputs `ForwardOut.taps` carries), `may_not_draft` (a step
-    can come up with no draft in any row, so the step compiles a one-token branch too) and
+    can come up with no draft in any row, so the step compiles a one-token branch too),
+    `shorter_drafts` (the same proposer with a smaller k drafts the first k of this one's drafts
+    from the same state, so a step that verifies fewer drafts drafts only those), `must_propose`
+    (its state advances in `propose`, so even a step that verifies no draft proposes) and
     `with_continuation(state, tokens [B, L]) -> state` (the benchmarks' oracle: it drafts from the
     target's own continuation, which the engine runs and hands it after prefill)."""
 

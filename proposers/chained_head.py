@@ -3,9 +3,10 @@ state at p) and predicts token p+2; for k > 1 it chains on its own output.
 
 After prefill and after each verify pass the head re-reads the newly committed positions with
 the target's features, which rewrites its KV cache for the accepted prefix (rollback is the
-row length, as for attention) and drafts the next step's first token. The remaining k - 1
-drafts chain the head on its own output, in an unrolled scan (a few steps: unrolled, XLA reads
-the head's weights in place).
+row length, as for attention) and keeps its output at the last one. A step drafts its first
+token from that output (so a step that verifies no draft reads no logits at all) and the
+remaining k - 1 by chaining the head on its own output, in an unrolled scan (a few steps:
+unrolled, XLA reads the head's weights in place).
 """
 
 from __future__ import annotations
@@ -23,14 +24,11 @@ from models.qwen3_5 import ForwardOut
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ChainedHeadState:
-    """cache: the head's KV [1, B, L, kv, d]; draft [B]: the next first draft; hidden [B, H]: the
-    head output that drafted it (what the chain feeds back); q [B, V] its draft probabilities
-    (or None)."""
+    """cache: the head's KV [1, B, L, kv, d]; hidden [B, H]: the head's output at the row's last
+    committed position, which the next first draft is chosen from and the chain feeds back."""
 
     cache: KVCache
-    draft: jax.Array
     hidden: jax.Array
-    q: jax.Array | None
 
 
 def pick(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -43,6 +41,7 @@ class ChainedHeadProposer(abc.ABC):
     """k drafts a step. A method supplies its head through the five hooks below."""
 
     k: int
+    shorter_drafts = True  # the chain's first j drafts do not depend on how far it goes
 
     @abc.abstractmethod
     def init_cache(self, model, draft, batch: int, max_len: int) -> KVCache:
@@ -68,26 +67,27 @@ class ChainedHeadProposer(abc.ABC):
         """Head output [B, H] -> float32 draft logits over the target vocabulary [B, V]."""
         ...
 
-    def _read(self, model, draft, cache, tokens, target: ForwardOut, start, n_valid, kv_len, choose,
-              positions) -> ChainedHeadState:
+    def _read(self, model, draft, cache, tokens, target: ForwardOut, start, n_valid, kv_len) -> ChainedHeadState:
         """Run the head over (tokens, the target's features) from `start` for n_valid [B]
-        positions and draft from each row's last one."""
+        positions; keep its output at each row's last one."""
         out, cache = self.head(model, draft, self.embed(model, draft, tokens), self.features(model, draft, target),
                                Batch(start, n_valid), cache, kv_len)
-        last = pick(out, n_valid - 1)
-        token, q = choose(self.logits(model, draft, last), positions)
-        return ChainedHeadState(cache, token, last, q)
+        return ChainedHeadState(cache, pick(out, n_valid - 1))
+
+    def next_logits(self, model, draft, state: ChainedHeadState) -> jax.Array:
+        """[B, V] float32: the logits each row's next first draft is chosen from."""
+        return self.logits(model, draft, state.hidden)
 
     def init_state(self, model, draft, tokens, lengths, target: ForwardOut, choose) -> ChainedHeadState:
         T = target.hidden.shape[1]
         next_tokens = jnp.pad(tokens, ((0, 0), (0, 1)))[:, 1 : T + 1]  # draft row p reads token p+1
         cache = self.init_cache(model, draft, tokens.shape[0], tokens.shape[1])
-        return self._read(model, draft, cache, next_tokens, target, jnp.zeros_like(lengths), lengths - 1, T, choose,
-                          lengths)
+        return self._read(model, draft, cache, next_tokens, target, jnp.zeros_like(lengths), lengths - 1, T)
 
     def propose(self, model, draft, state: ChainedHeadState, tokens, lengths, choose):
         L = state.cache.k.shape[2]
         ones = jnp.ones_like(lengths)
+        first, first_q = choose(self.next_logits(model, draft, state), lengths)
 
         def chain(carry, j):  # draft j from draft j - 1 and the head's own output
             previous, h, cache = carry
@@ -96,13 +96,12 @@ class ChainedHeadProposer(abc.ABC):
             d, q = choose(self.logits(model, draft, out[:, 0]), lengths + j)
             return (d, out[:, 0], cache), (d, q)
 
-        (_, _, cache), (ds, qs) = jax.lax.scan(chain, (state.draft, state.hidden, state.cache),
+        (_, _, cache), (ds, qs) = jax.lax.scan(chain, (first, state.hidden, state.cache),
                                                jnp.arange(1, self.k), unroll=True)
-        drafts = jnp.concatenate([state.draft[:, None], ds.T], axis=1)
-        q = None if state.q is None else jnp.concatenate([state.q[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+        drafts = jnp.concatenate([first[:, None], ds.T], axis=1)
+        q = None if first_q is None else jnp.concatenate([first_q[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
         return drafts, jnp.full_like(lengths, self.k), q, dataclasses.replace(state, cache=cache)
 
     def update(self, model, draft, state: ChainedHeadState, target: ForwardOut, emitted, n_acc, lengths,
                choose) -> ChainedHeadState:
-        return self._read(model, draft, state.cache, emitted, target, lengths - 1, n_acc + 1, state.cache.k.shape[2],
-                          choose, lengths + n_acc + 1)
+        return self._read(model, draft, state.cache, emitted, target, lengths - 1, n_acc + 1, state.cache.k.shape[2])

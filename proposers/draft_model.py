@@ -43,6 +43,7 @@ class DraftModelProposer:
 
     k: int
     cache_len: int
+    must_propose = True  # the first draft pass reads the committed tokens into the draft's caches
 
     def init_state(self, model, draft, tokens, lengths, target, choose) -> DraftState:
         T = target.hidden.shape[1]  # the prompt bucket

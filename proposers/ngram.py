@@ -74,6 +74,7 @@ class NgramProposer:
     n_min: int
     n_max: int
     may_not_draft = True  # a step can find no match in any row: the engine then skips the verify
+    shorter_drafts = True  # k only cuts the tokens copied after the match
 
     def init_state(self, model, draft, tokens, lengths, target, choose):
         return ()

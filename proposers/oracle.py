@@ -67,6 +67,10 @@ class OracleTokens:
     def may_not_draft(self) -> bool:
         return getattr(self.inner, "may_not_draft", False)
 
+    @property
+    def must_propose(self) -> bool:
+        return getattr(self.inner, "must_propose", False)
+
     def init_state(self, model, draft, tokens, lengths, target, choose):
         return (self.inner.init_state(model, draft, tokens, lengths, target, choose),
                 self.oracle.init_state(model, draft, tokens, lengths, target, choose))

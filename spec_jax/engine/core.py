@@ -24,6 +24,7 @@ import numpy as np
 
 from models.qwen3_5 import Qwen3_5Model
 from proposers.registry import build_proposer, target_drafter
+from spec_jax.engine.adaptive import StepTimes, compiled_widths
 from spec_jax.engine.batch import assemble_batch
 from spec_jax.engine.config import DEFAULT_PREFIX_CACHE_BYTES, EngineConfig
 from spec_jax.engine.detokenize import cut_at_stop_string
@@ -65,8 +66,9 @@ def make_plan(config: EngineConfig, vocab_size: int, draft, proposer=None) -> Sp
     if spec is None:
         return None
     proposer = proposer or build_proposer(spec, vocab_size, config.cache_len, draft)
-    return SpecPlan(proposer, spec.num_speculative_tokens, config.rollback, spec.draft_sample_method == "probabilistic",
-                    spec.rejection_sample_method)
+    k = spec.num_speculative_tokens
+    return SpecPlan(proposer, k, config.rollback, spec.draft_sample_method == "probabilistic",
+                    spec.rejection_sample_method, compiled_widths(k) if spec.enable_adaptive_verification else (k,))
 
 
 def row_bytes(runner: Runner, plan: SpecPlan | None, config: EngineConfig) -> int:
@@ -133,7 +135,9 @@ class EngineCore:
     Build one with `start_engine`; `with_speculation` gives another on the same weights."""
 
     def __init__(self, model: Qwen3_5Model, config: EngineConfig, runner: Runner, plan: SpecPlan | None, *,
-                 tokenizer=None, name: str | None = None, requests: int = 0):
+                 tokenizer=None, name: str | None = None, requests: int = 0,
+                 step_times: dict[int, StepTimes] | None = None):
+        """step_times: an adaptive plan's cost model per batch bucket, shared by the cores on one runner."""
         self.model = model
         self.config = config
         self.runner = runner
@@ -143,6 +147,7 @@ class EngineCore:
         self.name = name
         self.requests = requests  # rows and requests started: an unseeded row's seed, a request's id
         self.prefix_cache = self.new_store()
+        self.step_times = {} if step_times is None else step_times
         self._grammars: GrammarRows | None = None  # made at the first constrained request
 
     def grammar_rows(self) -> GrammarRows:
@@ -219,13 +224,13 @@ class EngineCore:
         if not self.keeps_step(spec, self.config.rollback):
             raise ValueError(f"{spec} changes more than the synthetic acceptance rates of {self.config.speculative}")
         return EngineCore(self.model, dataclasses.replace(self.config, speculative=spec), self.runner, self.plan,
-                          tokenizer=self.tokenizer, name=self.name, requests=self.requests)
+                          tokenizer=self.tokenizer, name=self.name, requests=self.requests, step_times=self.step_times)
 
     def with_tokenizer(self, tokenizer) -> "EngineCore":
         """This core's runner and plan (and so its programs), encoding and decoding with `tokenizer`;
         a new prefix store."""
         return EngineCore(self.model, self.config, self.runner, self.plan, tokenizer=tokenizer, name=self.name,
-                          requests=self.requests)
+                          requests=self.requests, step_times=self.step_times)
 
     def log_memory(self) -> None:
         """Say where the device's memory goes: weights, the batch's caches, the prefix store."""
@@ -404,8 +409,15 @@ class EngineCore:
         return state
 
     def decode(self, state: DecodeState, steps: int, do_sample: bool) -> DecodeState:
-        """Up to `steps` (speculative) steps on the device; the state is donated."""
-        return self.runner.decode(self.plan, state, steps, do_sample, self._grammars_of(state.sampling))
+        """Up to `steps` (speculative) steps on the device; the state is donated. Under an adaptive
+        plan the first steps of each batch bucket time every verify width (`StepTimes.calibrate`)."""
+        plan, grammars = self.plan, self._grammars_of(state.sampling)
+        if plan is None or not plan.adaptive:
+            return self.runner.decode(plan, state, steps, do_sample, grammars)
+        times = self.step_times.setdefault(state.done.shape[0], StepTimes(len(plan.widths)))
+        run = lambda s, n, force: self.runner.decode(plan, s, n, do_sample, grammars, force)  # noqa: E731
+        state, steps = times.calibrate(run, state, steps)
+        return self.runner.decode(plan, state, steps, do_sample, grammars, times.times()) if steps > 0 else state
 
     def insert(self, state: DecodeState, row: int, new: DecodeState) -> DecodeState:
         """`Runner.insert`: the one-row state `new` into slot `row` of the live `state` (donated)."""

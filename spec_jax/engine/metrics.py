@@ -9,7 +9,8 @@ from typing import Sequence
 
 def request_metrics(n_prompt: int, n_gen: int, prefill_s: float, decode_s: float, stats, row: int) -> dict:
     """One request's figures; the speculation counters are vLLM's (mean acceptance length =
-    1 + accepted / steps that drafted)."""
+    1 + accepted / steps that drafted), with ours of adaptive verification: num_steps_per_verify_length
+    (how many of the row's steps verified 0..k drafts) and mean_verify_length."""
     m = {"num_prompt_tokens": n_prompt, "num_generated_tokens": n_gen, "prefill_s": prefill_s, "decode_s": decode_s,
          "tpot_s": decode_s / max(n_gen - 1, 1), "tokens_per_s": n_gen / max(prefill_s + decode_s, 1e-9)}
     if stats is not None:
@@ -19,7 +20,15 @@ def request_metrics(n_prompt: int, n_gen: int, prefill_s: float, decode_s: float
                  mean_acceptance_length=1 + accepted / steps if steps else 1.0,
                  acceptance_per_position=[int(a) / steps if steps else 0.0 for a in stats.per_position[row]],
                  num_accepted_per_position=[int(a) for a in stats.per_position[row]])
+        m.update(verify_length_metrics([int(c) for c in stats.verify_lengths[row]]))
     return m
+
+
+def verify_length_metrics(counts: list[int]) -> dict:
+    """counts [k+1]: steps that verified 0..k drafts -> those counts and their mean length."""
+    steps = sum(counts)
+    return {"num_steps_per_verify_length": counts,
+            "mean_verify_length": sum(n * c for n, c in enumerate(counts)) / steps if steps else 0.0}
 
 
 def aggregate_metrics(outputs: Sequence) -> dict:
@@ -41,6 +50,7 @@ def merge_metrics(ms: Sequence[dict]) -> dict:
                      mean_acceptance_length=1 + accepted / steps if steps else 1.0,
                      acceptance_per_position=[c / steps if steps else 0.0 for c in counts],
                      num_accepted_per_position=counts)
+        total.update(verify_length_metrics([sum(n) for n in zip(*(m["num_steps_per_verify_length"] for m in ms))]))
     return total
 
 

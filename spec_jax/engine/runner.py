@@ -214,12 +214,14 @@ class Runner:
                         static=static, donate=(0,))
 
     def decode(self, plan: SpecPlan | None, state: DecodeState, max_steps: int, do_sample: bool,
-               grammars=None) -> DecodeState:
+               grammars=None, step_times=None) -> DecodeState:
         """Up to max_steps steps of `decode_loop` under `plan` on `state` (donated); grammars: the
-        `GrammarRows` of rows whose sampling carries grammar ids."""
+        `GrammarRows` of rows whose sampling carries grammar ids; step_times [W]: an adaptive plan's
+        cost model (`adaptive.StepTimes`), data to the program."""
         fn = partial(decode_loop, do_sample=do_sample, plan=plan, grammars=grammars)
-        return self.run("decode", fn, state, jnp.asarray(max_steps, jnp.int32), static=(plan, do_sample, grammars),
-                        donate=(0,))
+        times = None if step_times is None else jnp.asarray(step_times, jnp.float32)
+        return self.run("decode", fn, state, jnp.asarray(max_steps, jnp.int32), times,
+                        static=(plan, do_sample, grammars), donate=(0,))
 
     def insert(self, state: DecodeState, row: int, new: DecodeState) -> DecodeState:
         """Continuous batching: put a one-row prefill `new` into slot `row` of the live `state`

@@ -65,8 +65,15 @@ class SpeculativeConfig:
     Acted on: `method` (canonical, aliases folded), `num_speculative_tokens` (k >= 1), `model`,
     `prompt_lookup_min/max` (ngram window; both default to 5, one given copies to the other),
     `draft_sample_method`, `rejection_sample_method`, our own `oracle_corruption_rate`, and
-    `synthetic_acceptance_rates` / `synthetic_acceptance_length`, and our own `draft_vocab_size`.
+    `synthetic_acceptance_rates` / `synthetic_acceptance_length`, our own `draft_vocab_size`, and
+    `enable_adaptive_verification`.
     Every field after those is accepted for vLLM compatibility and ignored.
+
+    `enable_adaptive_verification` (vLLM's name, but on unless set to false): each step verifies,
+    per row, the number of drafts (0 to `num_speculative_tokens`) that maximises the batch's
+    expected tokens per second, from the row's running acceptance and the measured step time at
+    each verify width (`spec_jax.engine.adaptive`); false verifies every draft every step (fixed
+    k, for benchmarks). Output is the same either way.
 
     `draft_vocab_size` n (method mtp) has the MTP head draft over token ids 0..n-1 only, so each
     draft reads n rows of the lm_head instead of all of them: at Qwen3.6-27B the full head is
@@ -122,7 +129,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     draft_load_config: dict | None = None
-    enable_adaptive_verification: bool = False
+    enable_adaptive_verification: bool = True  # vLLM's field; on by default here (see the docstring)
     dspark_draft_topk: int | None = None
     speculative_token_tree: str | None = None  # older vLLM releases
     disable_by_batch_size: int | None = None  # older vLLM releases
@@ -210,7 +217,8 @@ class SpeculativeConfig:
 
 ACTED_FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
                 "draft_sample_method", "rejection_sample_method", "oracle_corruption_rate",
-                "synthetic_acceptance_rates", "synthetic_acceptance_length", "draft_vocab_size")
+                "synthetic_acceptance_rates", "synthetic_acceptance_length", "draft_vocab_size",
+                "enable_adaptive_verification")
 IGNORED_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name not in ACTED_FIELDS)
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
 ACCEPTED_METHODS = (*VLLM_METHODS, *OUR_METHODS, *METHOD_ALIASES)

@@ -21,19 +21,21 @@ ACCEPTANCE_RULES = ("standard", "synthetic")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecStats:
-    """Per-row speculation counters. drafted, accepted: [B] draft tokens proposed / accepted;
+    """Per-row speculation counters. drafted, accepted: [B] draft tokens verified / accepted;
     num_drafts: [B] steps that verified at least one draft; per_position: [B, k] how often the
-    draft at each position was accepted."""
+    draft at each position was accepted; verify_lengths: [B, k+1] how many of the row's steps
+    verified 0..k drafts (the adaptive choice, or k less what a row had no room or draft for)."""
 
     drafted: jax.Array
     accepted: jax.Array
     num_drafts: jax.Array
     per_position: jax.Array
+    verify_lengths: jax.Array
 
     @classmethod
     def zeros(cls, batch: int, k: int) -> "SpecStats":
         z = jnp.zeros((batch,), jnp.int32)
-        return cls(z, z, z, jnp.zeros((batch, k), jnp.int32))
+        return cls(z, z, z, jnp.zeros((batch, k), jnp.int32), jnp.zeros((batch, k + 1), jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -51,7 +53,9 @@ class DecodeState:
     `TokenHistory` penalties read (None when no row has a penalty); logprobs: the written tokens'
     `EmittedLogprobs` (None unless asked for); acceptance_rates: [B, k] float32, per draft
     position the probability that a draft is accepted given the ones before it were (the
-    synthetic acceptance rule's data, so one program serves every rate; None under the standard rule).
+    synthetic acceptance rule's data, so one program serves every rate; None under the standard rule);
+    acceptance_estimates: [B, k] float32 each row's running estimate of those probabilities (what
+    adaptive verification chooses from: `adaptive.update_estimates`; None with a fixed k).
     """
 
     tokens: jax.Array
@@ -69,20 +73,35 @@ class DecodeState:
     history: TokenHistory | None = None
     logprobs: EmittedLogprobs | None = None
     acceptance_rates: jax.Array | None = None
+    acceptance_estimates: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecPlan:
     """Static description of the speculative step: the proposer (a frozen dataclass from
-    `proposers/`), k drafts per step, the GDN rollback ("checkpoint" or "replay"), whether drafts
-    are sampled with their probabilities kept (vLLM's draft_sample_method), and the acceptance
-    rule (`ACCEPTANCE_RULES`). Hashable: every compiled program is keyed by it."""
+    `proposers/`), k drafts per step at most, the GDN rollback ("checkpoint" or "replay"), whether
+    drafts are sampled with their probabilities kept (vLLM's draft_sample_method), the acceptance
+    rule (`ACCEPTANCE_RULES`) and the verify widths the step compiles: (k,) verifies k drafts every
+    step; more widths (`adaptive.compiled_widths`) choose one a step (adaptive verification).
+    Hashable: every compiled program is keyed by it."""
 
     proposer: Proposer
     k: int
     rollback: str = "replay"
     probabilistic: bool = False
     acceptance: str = "standard"
+    widths: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.widths:
+            object.__setattr__(self, "widths", (self.k,))
+        if self.widths[-1] != self.k or list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 0:
+            raise ValueError(f"verify widths {self.widths} must ascend from 0 or more to k = {self.k}")
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the step chooses its verify width (else it verifies k drafts)."""
+        return len(self.widths) > 1
 
 
 def plan_taps(plan: SpecPlan | None) -> tuple[int, ...]:

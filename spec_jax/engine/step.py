@@ -17,6 +17,7 @@ from models.layers import Batch
 from pallas_kernels.gdn_chunked import CHUNK
 from models.qwen3_5 import ForwardOut, Qwen3_5Model, init_cache
 from pallas_kernels.batch_invariant import invariant_rows
+from spec_jax.engine.adaptive import choose_verify_lengths, initial_estimates, update_estimates
 from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic,
                                      apply_token_masks, draw, process_logits, ranked_logprobs, sample_tokens,
                                      warp_logits)
@@ -113,7 +114,8 @@ def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, last, prompts, 
         return state
     choose = drafting_policy(sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
     pstate = plan.proposer.init_state(model, draft, state.tokens, state.lengths, target, choose)
-    return dataclasses.replace(state, proposer=pstate, stats=SpecStats.zeros(B, plan.k))
+    estimates = initial_estimates(B, plan.k) if plan.adaptive else None
+    return dataclasses.replace(state, proposer=pstate, stats=SpecStats.zeros(B, plan.k), acceptance_estimates=estimates)
 
 
 def generated_before(state: DecodeState, drafts: jax.Array | None = None) -> jax.Array | None:
@@ -170,44 +172,106 @@ def verify_pass(model: Qwen3_5Model, cache, inputs, start, n_valid, *, kv_len: i
     return model(inputs, Batch(start=start, n_valid=n_valid), cache, kv_len=kv_len, rollback=rollback, taps=taps)
 
 
-def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan, do_sample: bool,
-              grammars=None) -> DecodeState:
-    """One speculative step: propose k drafts, verify [newest, d1..dk] in one target pass,
-    accept, roll every cache back to the accepted prefix, append n_acc + 1 tokens per row.
+def spec_step(model: Qwen3_5Model, draft, state: DecodeState, step_times: jax.Array | None, *, plan: SpecPlan,
+              do_sample: bool, grammars=None) -> DecodeState:
+    """One speculative step: propose, verify [newest, d1..dw] in one target pass, accept, roll every
+    cache back to the accepted prefix, append n_acc + 1 tokens per row.
 
-    Rows that do not speculate (or whose proposer found nothing) carry n_draft = 0: their
-    verify pass is a plain decode step of one token, in the same batch. For proposers that can
-    come up empty (`may_not_draft`: ngram), a step where no row has a draft runs a one-token pass
-    instead of the k+1 verify; other methods always draft, and compile only the verify.
+    w is k, or with adaptive verification (`plan.adaptive`) the width `choose_verify_lengths`
+    takes from the rows' acceptance estimates and step_times [W] (seconds of a step at each of
+    plan.widths); each width is its own branch of the program (`run_one`). A row verifies at most its limit:
+    0 when it does not speculate (or is done), else the room before its max length; its verify
+    pass is then a plain decode step of one token, in the same batch.
 
     Constrained rows (`grammar_masks`): the grammar cuts the drafts at the first it forbids and
     proposes its forced tokens, and each verify position's logits are masked by the grammar's state
     after the drafts before it, so a forbidden token is never accepted nor emitted.
     """
+    live = ~state.done
+    room = jnp.maximum(state.max_lengths - state.lengths - 1, 0)
+    limit = jnp.where(state.speculate & live, jnp.minimum(room, plan.k), 0)
+    if plan.adaptive:
+        index, limit = choose_verify_lengths(state.acceptance_estimates, step_times, plan.widths, live, limit)
+
+        def at(width, out):  # the step at this width, on the caches and proposer state carried in `out`
+            now = dataclasses.replace(state, cache=out[3], proposer=out[4])
+            return step_at_width(model, draft, now, limit, plan=plan, width=width, do_sample=do_sample,
+                                 grammars=grammars)
+
+        B, k = live.shape[0], plan.k
+        raw = None if state.logprobs is None else jnp.zeros((B, k + 1, model.cfg.vocab_size), jnp.float32)
+        nothing = (jnp.zeros_like(limit), jnp.zeros_like(limit), jnp.zeros((B, k + 1), jnp.int32), state.cache,
+                   state.proposer, raw)
+        n_draft, n_acc, emitted, cache, pstate, raw = run_one(index, [partial(at, w) for w in plan.widths], nothing)
+    else:
+        n_draft, n_acc, emitted, cache, pstate, raw = step_at_width(model, draft, state, limit, plan=plan,
+                                                                    width=plan.k, do_sample=do_sample,
+                                                                    grammars=grammars)
+
+    s, k = state.stats, plan.k
+    accepted_at = (jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None]
+    chosen = jax.nn.one_hot(n_draft, k + 1, dtype=jnp.int32) * live[:, None]
+    stats = SpecStats(s.drafted + n_draft, s.accepted + jnp.where(live, n_acc, 0), s.num_drafts + (n_draft > 0),
+                      s.per_position + accepted_at, s.verify_lengths + chosen)
+    estimates = state.acceptance_estimates
+    if plan.adaptive:
+        estimates = jnp.where(live[:, None], update_estimates(estimates, n_draft, n_acc), estimates)
+    state = append_tokens(state, emitted, n_acc + 1, cache, raw)
+    return dataclasses.replace(state, proposer=pstate, stats=stats, steps=state.steps + 1,
+                               acceptance_estimates=estimates)
+
+
+def run_one(index, branches, carry):
+    """branches[index](carry), each branch a loop of at most one trip: a loop updates the caches
+    in its carry in place, where XLA's conditional copies every cache a branch writes (the
+    step's whole state, each step). index: [] int32; every branch maps carry to its structure."""
+    for i, branch in enumerate(branches):
+        _, carry = jax.lax.while_loop(lambda c, i=i: c[0] == i, lambda c, b=branch: (-1, b(c[1])), (index, carry))
+        index = jnp.where(index == i, -1, index)
+    return carry
+
+
+def step_at_width(model: Qwen3_5Model, draft, state: DecodeState, limit, *, plan: SpecPlan, width: int,
+                  do_sample: bool, grammars=None):
+    """Propose, verify up to `width` drafts a row (at most limit [B] of them), accept and update
+    the proposer. Returns n_draft [B] drafts verified, n_acc [B], emitted [B, k+1] (the first
+    n_acc + 1 are the row's new tokens), the caches, the proposer's state and the raw logits
+    [B, k+1, V] (None unless logprobs are kept).
+
+    Width 0 is a plain decode step that drafts nothing (unless the proposer's state needs every
+    step's `propose`: `must_propose`). A proposer with `shorter_drafts` drafts only `width`
+    tokens; the others draft k and the first `width` are verified. For proposers that can come up
+    empty (`may_not_draft`: ngram), a step where no row has a draft runs the one-token pass instead
+    of the verify; other methods always draft, and compile only the verify.
+    """
     B, L = state.tokens.shape
     k, rows, live = plan.k, jnp.arange(B), ~state.done
     choose = drafting_policy(state.sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
-    drafts, n_draft, q, pstate = plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths,
-                                                       choose)
-    # No drafting for opted-out or finished rows, nor past a row's last allowed token.
-    room = jnp.maximum(state.max_lengths - state.lengths - 1, 0)
-    n_draft = jnp.where(state.speculate & live, jnp.minimum(n_draft, room), 0)
+    proposer = plan.proposer
+    if 0 < width < k and getattr(proposer, "shorter_drafts", False):
+        proposer = dataclasses.replace(proposer, k=width)
+    if width == 0 and not getattr(proposer, "must_propose", False):
+        drafts, n_draft, q, pstate = jnp.zeros((B, 0), jnp.int32), jnp.zeros_like(limit), None, state.proposer
+    else:
+        drafts, n_draft, q, pstate = proposer.propose(model, draft, state.proposer, state.tokens, state.lengths,
+                                                      choose)
+        drafts, q = drafts[:, :width], None if q is None else q[:, :width]
+    n_draft = jnp.minimum(n_draft, limit)
     newest = state.tokens[rows, state.lengths - 1]
     masks = None
-    if constrained(state.sampling, grammars):
-        limit = jnp.where(state.speculate & live, jnp.minimum(room, k), 0)
+    if constrained(state.sampling, grammars):  # the last step may have written up to k + 1 tokens
         masks, forced, n_forced = grammar_masks(grammars, state.sampling, state.done, state.tokens, state.lengths,
-                                                drafts, n_draft, limit, recent=k + 1)
+                                                drafts, n_draft, jnp.minimum(limit, width), recent=k + 1)
         if q is not None:  # a token the grammar put in place is drafted with certainty
-            replaced = (forced != drafts) | (jnp.arange(k)[None, :] >= n_draft[:, None])
+            replaced = (forced != drafts) | (jnp.arange(width)[None, :] >= n_draft[:, None])
             q = jnp.where(replaced[..., None], jax.nn.one_hot(forced, q.shape[-1], dtype=q.dtype), q)
         drafts, n_draft = forced, n_forced
 
     def verify(_):
-        inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, k+1]
+        inputs = jnp.concatenate([newest[:, None], drafts], axis=1)  # [B, width+1]
         target = verify_pass(model, state.cache, inputs, state.lengths - 1, jnp.where(live, n_draft + 1, 0), kv_len=L,
                              rollback=plan.rollback, taps=plan_taps(plan))
-        positions = state.lengths[:, None] + jnp.arange(k + 1)[None, :]
+        positions = state.lengths[:, None] + jnp.arange(width + 1)[None, :]
         counts = None if state.history is None else state.history.through(drafts)
         raw = model.logits(target.hidden)
         logits = process_logits(raw, state.sampling, positions, state.history, counts,
@@ -215,7 +279,7 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
         if masks is not None:
             logits = apply_token_masks(logits, masks)
         if plan.acceptance == "synthetic":
-            n_acc, emitted = accept_synthetic(state.acceptance_rates, logits, drafts, n_draft,
+            n_acc, emitted = accept_synthetic(state.acceptance_rates[:, :width], logits, drafts, n_draft,
                                               state.sampling, state.lengths, do_sample=do_sample)
         else:
             n_acc, emitted = accept_drafts(logits, drafts, n_draft, q, state.sampling, state.lengths,
@@ -224,11 +288,11 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
         return n_acc, emitted, cache, dataclasses.replace(target, cache=None, pending=None), kept(raw)
 
     def decode_only(_):
-        # `decode_one`, its outputs padded to the k+1 positions proposers read (past
+        # `decode_one`, its outputs padded to the width+1 positions proposers read (past
         # n_acc + 1 = 1 they are never read).
         nxt, target, raw = decode_one(model, state, plan_taps(plan), do_sample=do_sample,
                                       masks=None if masks is None else masks[:, 0])
-        pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, k), (0, 0)))  # noqa: E731
+        pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, width), (0, 0)))  # noqa: E731
         emitted = jnp.concatenate([nxt[:, None], drafts], axis=1)
         return (jnp.zeros_like(n_draft), emitted, target.cache, ForwardOut(pad(target.hidden), None, pad(target.taps)),
                 kept(pad(raw[:, None])))
@@ -236,29 +300,30 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, *, plan: SpecPlan,
     def kept(raw):  # the raw logits leave the branch only when logprobs are kept
         return None if state.logprobs is None else raw
 
-    if getattr(plan.proposer, "may_not_draft", False):
+    if width == 0:
+        n_acc, emitted, cache, target, raw = decode_only(None)
+    elif getattr(proposer, "may_not_draft", False):
         n_acc, emitted, cache, target, raw = jax.lax.cond(jnp.any(n_draft > 0), verify, decode_only, None)
     else:
         n_acc, emitted, cache, target, raw = verify(None)
-    pstate = plan.proposer.update(model, draft, pstate, target, emitted, n_acc, state.lengths, choose)
-
-    s = state.stats
-    accepted_at = (jnp.arange(k)[None, :] < n_acc[:, None]) & live[:, None]
-    stats = SpecStats(s.drafted + n_draft, s.accepted + jnp.where(live, n_acc, 0),
-                      s.num_drafts + (n_draft > 0), s.per_position + accepted_at)
-    state = append_tokens(state, emitted, n_acc + 1, cache, raw)
-    return dataclasses.replace(state, proposer=pstate, stats=stats, steps=state.steps + 1)
+    pstate = proposer.update(model, draft, pstate, target, emitted, n_acc, state.lengths, choose)
+    emitted = jnp.pad(emitted, ((0, 0), (0, k - width)))
+    raw = None if raw is None else jnp.pad(raw, ((0, 0), (0, k - width), (0, 0)))
+    return n_draft, n_acc, emitted, cache, pstate, raw
 
 
-def decode_loop(model: Qwen3_5Model, draft, state: DecodeState, max_steps, *, do_sample: bool,
+def decode_loop(model: Qwen3_5Model, draft, state: DecodeState, max_steps, step_times=None, *, do_sample: bool,
                 plan: SpecPlan | None = None, grammars=None) -> DecodeState:
     """Steps in a `lax.while_loop` until every row is done or `max_steps` more steps ran: the
-    plain `decode_step`, or `spec_step` when a plan is given. max_steps is traced, so
-    streaming in chunks reuses one executable. grammars: the host's `GrammarRows`, when rows carry
-    grammar ids (each step then calls it once)."""
+    plain `decode_step`, or `spec_step` when a plan is given (step_times [W]: its cost model,
+    read when the plan is adaptive). max_steps and step_times are traced, so streaming in chunks
+    and every measured cost reuse one executable. grammars: the host's `GrammarRows`, when rows
+    carry grammar ids (each step then calls it once)."""
     stop_at = state.steps + max_steps
-    step = (partial(decode_step, do_sample=do_sample, grammars=grammars) if plan is None
-            else partial(spec_step, plan=plan, do_sample=do_sample, grammars=grammars))
+    if plan is None:
+        step = partial(decode_step, do_sample=do_sample, grammars=grammars)
+    else:
+        step = partial(spec_step, step_times=step_times, plan=plan, do_sample=do_sample, grammars=grammars)
 
     def cond(s):
         return jnp.any(~s.done) & (s.steps < stop_at)

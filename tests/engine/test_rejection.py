@@ -10,6 +10,7 @@ import pytest
 from scipy import stats
 
 from spec_jax import LLM, SamplingParams
+from spec_jax.engine.adaptive import StepTimes
 from spec_jax.engine.sampling import RowSampling, TokenHistory, accept_drafts, process_logits, warp_logits
 
 N, V, K = 40000, 6, 2
@@ -147,15 +148,23 @@ RUNS_LONGER_THAN_IT_COMPILES = {"xla_backend_optimization_level": 2}
 PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.5)
 
 
-def second_tokens(model_dir, spec, seeds, temperature=1.0):
-    """Two sampled tokens per seed, with penalties: the second token's distribution depends on the
-    first through them (and on the prompt's 5 and 9 through the repetition penalty)."""
+def second_tokens(model_dir, spec, seeds, temperature=1.0, step_times=None, width=None):
+    """The first two sampled tokens per seed, with penalties: the second token's distribution
+    depends on the first through them (and on the prompt's 5 and 9 through the repetition penalty).
+    A speculating run has room for k = 2 drafts after the first token, so its second token is the
+    first of its first step, drawn by rejection sampling. step_times: an adaptive plan's cost model,
+    given; width: the drafts its first step must then verify."""
     llm = LLM(model=str(model_dir), dtype="float32", max_model_len=64, max_num_seqs=256, speculative_config=spec,
               compiler_options=RUNS_LONGER_THAN_IT_COMPILES)
-    params = [SamplingParams(max_tokens=2, temperature=temperature, seed=int(s), ignore_eos=True, **PENALTIES)
+    if step_times is not None:
+        llm.engine.step_times[llm.engine.batch_bucket(len(seeds))] = StepTimes.measured(step_times)
+    tokens = 2 if spec is None else 4
+    params = [SamplingParams(max_tokens=tokens, temperature=temperature, seed=int(s), ignore_eos=True, **PENALTIES)
               for s in seeds]
     outs = llm.generate(prompt_token_ids=[[5, 9, 5, 9, 5]] * len(seeds), sampling_params=params, use_tqdm=False)
-    return np.asarray([o.outputs[0].token_ids for o in outs])
+    if width is not None:  # every request's first step verified `width` drafts
+        assert all(o.metrics["num_steps_per_verify_length"][width] >= 1 for o in outs)
+    return np.asarray([o.outputs[0].token_ids[:2] for o in outs])
 
 
 @pytest.fixture(scope="module")
@@ -165,18 +174,27 @@ def plain_two_tokens(echo_dir) -> np.ndarray:
     return second_tokens(echo_dir, None, range(N_REQUESTS))
 
 
-@pytest.mark.parametrize("draft_sample_method,draft_vocab_size",
-                         [("greedy", None), ("probabilistic", None), ("probabilistic", 24)])
+# How the first speculative step verifies its k = 2 drafts: every draft at a fixed k, or under
+# adaptive verification at the width (1: a prefix of the drafts) a given cost model makes best.
+VERIFY = {"fixed k": (False, None, 2), "adaptive, 1 of 2": (True, [1.0, 1.0001, 100.0], 1),
+          "adaptive, 2 of 2": (True, [1.0, 1.0, 1.0], 2)}
+
+
+@pytest.mark.parametrize("draft_sample_method,draft_vocab_size,verify",
+                         [("greedy", None, "fixed k"), ("probabilistic", None, "fixed k"),
+                          ("probabilistic", 24, "fixed k"), ("probabilistic", None, "adaptive, 1 of 2"),
+                          ("greedy", None, "adaptive, 2 of 2")])
 def test_end_to_end_first_speculative_token_matches_plain(echo_dir, plain_two_tokens, draft_sample_method,
-                                                          draft_vocab_size):
+                                                          draft_vocab_size, verify):
     """Two tokens per request, sampled with penalties: the first comes from prefill, the second
     from one speculative step (or one plain step). Their joint distributions must agree
     (two-sample chi-square), also when the MTP head drafts from a reduced vocabulary (its q is zero
-    past it)."""
+    past it) and when only a prefix of the drafts is verified."""
+    adaptive, step_times, width = VERIFY[verify]
     spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": draft_sample_method,
-            "draft_vocab_size": draft_vocab_size}
+            "draft_vocab_size": draft_vocab_size, "enable_adaptive_verification": adaptive}
     plain = plain_two_tokens
-    spec_on = second_tokens(echo_dir, spec, range(N_REQUESTS, 2 * N_REQUESTS))
+    spec_on = second_tokens(echo_dir, spec, range(N_REQUESTS, 2 * N_REQUESTS), step_times=step_times, width=width)
     def joint(t):
         return t[:, 0] * 64 + t[:, 1]
     keys = np.union1d(joint(plain), joint(spec_on))

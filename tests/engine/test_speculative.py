@@ -80,7 +80,7 @@ def test_oracle_drafts_on_a_non_degenerate_model(rollback, rate):
 def test_metrics_per_request(echo_dir, plain_echo):
     ids = plain_echo[0]
     llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=4,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "enable_adaptive_verification": False})
     outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False)
     for o in outs:
         m = o.metrics
@@ -88,8 +88,8 @@ def test_metrics_per_request(echo_dir, plain_echo):
                     "mean_acceptance_length", "acceptance_per_position", "tpot_s", "tokens_per_s"):
             assert key in m
         assert len(m["acceptance_per_position"]) == 2
-        # Prefill emits 1 token and every step accepted + 1; only the last step, with no room left
-        # under max_tokens, drafts nothing.
+        # Prefill emits 1 token and every step (at a fixed k) accepted + 1; only the last step, with
+        # no room left under max_tokens, drafts nothing.
         assert m["num_generated_tokens"] in (1 + m["num_drafts"] + m["num_accepted_tokens"] + extra for extra in (0, 1))
     assert llm.metrics["num_requests"] == 3 and llm.metrics["tokens_per_s"] > 0
 
@@ -116,7 +116,7 @@ def test_mtp_state_after_rollbacks_matches_a_full_forward(echo_dir):
     from spec_jax.engine.state import DecodeState  # noqa: F401  (the state the LLM runs)
 
     llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=1,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3, "enable_adaptive_verification": False})
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     state, do_sample, _ = llm.engine.start(prompts(1), [params])
     state = llm.engine.decode(state, 6, do_sample)
@@ -129,7 +129,8 @@ def test_mtp_state_after_rollbacks_matches_a_full_forward(echo_dir):
     h, _ = model.mtp(model.embed(seq[:, 1:]), hidden, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
                      init_mtp_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1)
     np.testing.assert_allclose(state.proposer.hidden[0], h[0, -1], rtol=1e-4, atol=1e-4)
-    assert int(state.proposer.draft[0]) == int(jnp.argmax(model.logits(h[0, -1])))
+    next_logits = llm.engine.plan.proposer.next_logits(model, None, state.proposer)
+    assert int(jnp.argmax(next_logits[0])) == int(jnp.argmax(model.logits(h[0, -1])))
 
 
 def test_mtp_refused_on_a_checkpoint_without_mtp():

@@ -10,7 +10,9 @@ from helpers import DRAFT_GREEDY, drafter_prompts
 from spec_jax import LLM, SamplingParams
 from spec_jax.engine.spec_config import parse_speculative_config
 
-MTP = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic"}
+# at a fixed k: every step verifies every draft, so each position's share is its rate
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+       "enable_adaptive_verification": False}
 
 
 def test_length_resolves_to_rates_and_rates_to_conditional():

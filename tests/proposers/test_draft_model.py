@@ -29,12 +29,12 @@ def near_copy(tiny_dir, tmp_path_factory):
     return d
 
 
-def spec(draft, k):
-    return drafter_spec("draft_model", draft, k)
+def spec(draft, k, **fields):
+    return drafter_spec("draft_model", draft, k, **fields)
 
 
 def test_target_as_its_own_draft_accepts_everything(tiny_llm, tiny_dir, plain_greedy):
-    llm = tiny_llm.with_speculation(spec(tiny_dir, 3))
+    llm = tiny_llm.with_speculation(spec(tiny_dir, 3, enable_adaptive_verification=False))
     outs = llm.generate(prompt_token_ids=prompts()[:1], sampling_params=GREEDY)
     assert outs[0].outputs[0].token_ids == plain_greedy[0]
     assert llm.metrics["acceptance_rate"] == 1.0 and llm.metrics["mean_acceptance_length"] == 4.0
@@ -65,7 +65,7 @@ def assert_draft_cache_is_a_prefill(llm, draft_state, tokens, upto: int) -> None
 
 def test_the_drafts_caches_end_at_the_accepted_prefix(tiny_llm, near_copy):
     """A draft with GDN layers keeps the caches of its first pass: every committed token but the newest."""
-    llm = tiny_llm.with_speculation(spec(near_copy, 3))
+    llm = tiny_llm.with_speculation(spec(near_copy, 3, enable_adaptive_verification=False))
     state, do_sample, _ = llm.engine.start(prompts()[2:], [GREEDY], rows=1)  # the state read below: one row
     state = llm.engine.decode(state, 5, do_sample)
     assert 0 < int(state.stats.accepted[0]) < 15
@@ -80,7 +80,8 @@ def test_an_attention_only_draft_keeps_its_drafting_cache(tiny_llm):
     accepted all k drafts (the last draft was never fed). Synthetic acceptance makes steps of
     every kind; greedy exactness with this draft is `test_a_plain_qwen3_draft`'s."""
     k = 3
-    llm = tiny_llm.with_speculation({**spec(HF_FIXTURES.parent / "qwen3", k), "rejection_sample_method": "synthetic",
+    llm = tiny_llm.with_speculation({**spec(HF_FIXTURES.parent / "qwen3", k, enable_adaptive_verification=False),
+                                     "rejection_sample_method": "synthetic",
                                      "synthetic_acceptance_rates": [0.8, 0.6, 0.4]})
     state, do_sample, _ = llm.engine.start(prompts()[2:], [GREEDY], rows=1)
     trailing = set()

@@ -61,7 +61,8 @@ def test_reduced_draft_vocabulary_drafts_low_ids_and_keeps_greedy_output(tiny_ll
     assert np.all(got[:, n:] == -np.inf) and got.shape == full.shape
     assert_greedy_equals_plain(llm, plain_greedy)
     state, _, _ = llm.engine.start([[1, 2, 3, 4]], [SamplingParams(max_tokens=8, temperature=0.0)])
-    assert int(state.proposer.draft[0]) < n
+    next_logits = llm.engine.plan.proposer.next_logits(tiny_llm.model, head, state.proposer)
+    assert int(jnp.argmax(next_logits[0])) < n
 
 
 @pytest.mark.parametrize("spec,message", [
