@@ -16,9 +16,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 from bench.server_soak import rss_mb, soak
 from helpers import TINY
+from live_server import live_server
 from fastapi.testclient import TestClient
 
 from spec_jax import LLM, SamplingParams
@@ -42,18 +42,8 @@ def served(tiny_llm, tmp_path_factory):
     llm = copy.copy(tiny_llm)  # shares the loaded model and its compiled executables
     llm.set_tokenizer(Tokenizer(d / "tokenizer.json"))
     server = Server(llm, served_model_name="tiny", chat_template=str(d / "chat.jinja"), steps_per_chunk=1)
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not uv.started:
-        assert thread.is_alive() and time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    port = uv.servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    yield url, llm, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    uv.should_exit = True
-    thread.join(timeout=60)
+    with live_server(build_app(server)) as url:
+        yield url, llm, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 def metrics(url) -> dict[str, float]:
