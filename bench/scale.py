@@ -197,11 +197,12 @@ def first_token(llm: LLM, prompt_len: int) -> dict:
             PROCESS_START}
 
 
-def ttft_rows(model, lengths: list[int], ceilings: Ceilings, layout: str) -> list[dict]:
+def ttft_rows(model, lengths: list[int], ceilings: Ceilings, layout: str, profile: bool = False) -> list[dict]:
     """Prefill time of one prompt of each length (second run), against its floor: the larger of
     2 x active decoder-layer params x tokens at the measured matmul rate (prefill runs every layer
     over every token, the lm_head over the last one only) and, of a MoE model, every expert's bytes
-    read once at the measured copy rate. Its own LLM, so the decode figures keep their short cache."""
+    read once at the measured copy rate. Its own LLM, so the decode figures keep their short cache.
+    With `profile`, a third prefill of each length is traced (`profile_prefill`)."""
     params_count, experts = active_params(model), expert_bytes(model)
     llm = LLM(model=model, max_model_len=max(lengths) + 64, max_num_seqs=1, layout=layout)
     rows = []
@@ -214,7 +215,20 @@ def ttft_rows(model, lengths: list[int], ceilings: Ceilings, layout: str) -> lis
         rows.append({"prompt_tokens": n, "ttft_s": m["prefill_s"], "floor_s": floor,
                      "of_floor": floor / m["prefill_s"], "peak_memory_GB": peak_memory_GB()})
         print(json.dumps(rows[-1]), flush=True)
+        if profile:
+            rows[-1]["profile"] = profile_prefill(llm, prompts)
+            print_profile(rows[-1]["profile"])
     return rows
+
+
+def profile_prefill(llm: LLM, prompts: list[list[int]]) -> dict:
+    """GPU time of one prefill of `prompts` (the first token chosen), by category and by kernel."""
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    events, _, wall_ms = trace_calls(lambda: llm.prefill(prompts, one).tokens, (), 1)
+    out = summarize(events, 1)
+    out["busy_ms_per_step"] = busy_ns(events) / 1e6
+    out["traced_wall_ms_per_step"] = wall_ms
+    return out
 
 
 def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int, device: int | None = None) -> dict:
@@ -351,7 +365,7 @@ def main() -> None:
     print_methods(result)
     if args.ttft:
         del llm
-        result["ttft"] = ttft_rows(model, args.ttft, ceilings, args.layout)
+        result["ttft"] = ttft_rows(model, args.ttft, ceilings, args.layout, args.profile)
         save()
 
 

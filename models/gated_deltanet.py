@@ -106,20 +106,19 @@ class GatedDeltaNet(nnx.Module):
         window = jax.lax.dynamic_index_in_dim(cache.conv, g, keepdims=False)
         seq = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
         valid = batch.valid_for(T)
-        state = jax.lax.dynamic_index_in_dim(cache.state, g, keepdims=False)
-
         pending = None
-        if rollback is None and use_decode_kernel(T, K, state, self.shards):
-            o, state = gdn_decode_pallas(seq, self.conv1d[...][:, 0, :], b[:, 0], a[:, 0], self.A_log[...],
-                                         self.dt_bias[...], valid[:, 0], state, num_k_heads=cfg.linear_num_key_heads)
+        if rollback is None and use_decode_kernel(T, K, cache.state, self.shards):
+            o, states = gdn_decode_pallas(seq, self.conv1d[...][:, 0, :], b[:, 0], a[:, 0], self.A_log[...],
+                                          self.dt_bias[...], valid[:, 0], cache.state, g,
+                                          num_k_heads=cfg.linear_num_key_heads)
             o = o[:, None]
         else:
+            state = jax.lax.dynamic_index_in_dim(cache.state, g, keepdims=False)
             o, state, pending = self.delta_rule(seq, b, a, valid, state, rollback)
+            states = jax.lax.dynamic_update_index_in_dim(cache.state, state, g, 0)
         if rollback is None:
-            cache = GDNCache(
-                jax.lax.dynamic_update_index_in_dim(cache.conv, conv_window(seq, batch.n_valid, K), g, 0),
-                jax.lax.dynamic_update_index_in_dim(cache.state, state, g, 0),
-            )
+            cache = GDNCache(jax.lax.dynamic_update_index_in_dim(cache.conv, conv_window(seq, batch.n_valid, K), g, 0),
+                             states)
         o = self.norm(o, z.reshape(B, T, nv, dv), x.dtype).reshape(B, T, nv * dv)
         return self.out_proj(o), cache, pending
 

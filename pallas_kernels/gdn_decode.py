@@ -36,10 +36,13 @@ def _conv_silu(seq_ref, w_ref) -> jax.Array:
     return acc * jax.nn.sigmoid(acc)
 
 
-def _decode_kernel(q_seq, k_seq, v_seq, q_w, k_w, v_w, b_ref, a_ref, a_log_ref, dt_bias_ref, valid_ref, s0_ref,
-                   o_ref, s_ref):
+def _decode_kernel(q_seq, k_seq, v_seq, q_w, k_w, v_w, b_ref, a_ref, a_log_ref, dt_bias_ref, valid_ref, g_ref,
+                   s0_ref, o_ref, s_ref, *, nv: int, bv: int):
     """One (row, value head, value block): seq parts [K, dk] / [K, BV], weights [dk, K] / [BV, K],
-    b, a, valid [1], A_log, dt_bias [1], state [dk, BV]."""
+    b, a, valid [1], A_log, dt_bias [1], g [1]; the states s0 = s [G, B, nv, dk, dv] whole (one
+    buffer, aliased), of which this program reads and writes the tile [g, row, head, :, block]."""
+    bh, iv = pl.program_id(0), pl.program_id(1)
+    tile = (g_ref[0], bh // nv, bh % nv, slice(None), pl.ds(iv * bv, bv))
     q = _conv_silu(q_seq, q_w)
     k = _conv_silu(k_seq, k_w)
     v = _conv_silu(v_seq, v_w)
@@ -48,17 +51,19 @@ def _decode_kernel(q_seq, k_seq, v_seq, q_w, k_w, v_w, b_ref, a_ref, a_log_ref, 
     valid = valid_ref[...]
     beta = jax.nn.sigmoid(b_ref[...].astype(jnp.float32)) * valid
     decay = -jnp.exp(a_log_ref[...]) * jax.nn.softplus(a_ref[...].astype(jnp.float32) + dt_bias_ref[...]) * valid
-    s = s0_ref[...] * jnp.exp(decay)
+    s = s0_ref[tile] * jnp.exp(decay)
     delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * delta[None, :]
     o_ref[...] = jnp.sum(s * q[:, None], axis=0)
-    s_ref[...] = s
+    s_ref[tile] = s
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "interpret"))
-def gdn_decode_pallas(seq, conv_w, b, a, A_log, dt_bias, valid, state, *, num_k_heads: int,
+def gdn_decode_pallas(seq, conv_w, b, a, A_log, dt_bias, valid, states, g, *, num_k_heads: int,
                       interpret: bool = False):
-    """The fused decode token.
+    """The fused decode token, updating repeat g's state in place in the stacked states: the kernel
+    reads and writes its tiles of that one buffer (aliased), so no slice of the states is copied out
+    or written back, which at batch 32 would move each layer's whole state twice more a step.
 
     Args:
       seq: [B, K, C] the conv window's K-1 inputs then the token's projection, channels
@@ -66,13 +71,16 @@ def gdn_decode_pallas(seq, conv_w, b, a, A_log, dt_bias, valid, state, *, num_k_
       conv_w: [C, K] the depthwise convolution's taps.
       b, a: [B, nv] the write-strength and decay projections. A_log, dt_bias: [nv] float32.
       valid: [B] bool, rows whose token counts this step.
-      state: [B, nv, dk, dv] float32.
+      states: [G, B, nv, dk, dv] float32, the layer's pattern position's states (donate them).
+      g: int32 scalar, the repeat whose state this layer holds.
       num_k_heads: nk.
     Returns:
-      o [B, nv, dv] float32 and the new state [B, nv, dk, dv] float32.
+      o [B, nv, dv] float32 and the states with repeat g's advanced [G, B, nv, dk, dv].
     """
+    if states.dtype != jnp.float32:
+        raise ValueError(f"GDN states must be float32, got {states.dtype}")
     B, K, _ = seq.shape
-    _, nv, dk, dv = state.shape
+    _, _, nv, dk, dv = states.shape
     nk, bv = num_k_heads, BLOCK_V
     r, v_block0 = nv // nk, 2 * nk * dk // bv
 
@@ -98,28 +106,29 @@ def gdn_decode_pallas(seq, conv_w, b, a, A_log, dt_bias, valid, state, *, num_k_
     row_head = pl.BlockSpec((None, None, 1), lambda bh, iv: (bh // nv, bh % nv, 0))
     head = pl.BlockSpec((None, 1), lambda bh, iv: (bh % nv, 0))
     row = pl.BlockSpec((None, 1), lambda bh, iv: (bh // nv, 0))
-    state_tile = pl.BlockSpec((None, None, dk, bv), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
+    whole = lambda shape: pl.BlockSpec(shape, lambda bh, iv: (0,) * len(shape))  # noqa: E731  (indexed in-kernel)
     in_specs = [window(dk, q_block), window(dk, k_block), window(bv, v_block),
                 taps(dk, q_block), taps(dk, k_block), taps(bv, v_block),
-                row_head, row_head, head, head, row, state_tile]
-    out_specs = [pl.BlockSpec((None, None, bv), lambda bh, iv: (bh // nv, bh % nv, iv)), state_tile]
-    out_shape = [jax.ShapeDtypeStruct((B, nv, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+                row_head, row_head, head, head, row, whole((1,)), whole(states.shape)]
+    out_specs = [pl.BlockSpec((None, None, bv), lambda bh, iv: (bh // nv, bh % nv, iv)), whole(states.shape)]
+    out_shape = [jax.ShapeDtypeStruct((B, nv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, jnp.float32)]
     return pl.pallas_call(
-        _decode_kernel,
+        functools.partial(_decode_kernel, nv=nv, bv=bv),
         out_shape=out_shape,
         grid=(B * nv, dv // bv),
         in_specs=in_specs,
         out_specs=out_specs,
+        input_output_aliases={12: 1},
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="gdn_decode",
     )(seq, seq, seq, conv_w, conv_w, conv_w, per_head(b), per_head(a), per_head(A_log), per_head(dt_bias),
-      per_head(valid), state.astype(jnp.float32))
+      per_head(valid), jnp.asarray(g, jnp.int32).reshape(1), states)
 
 
 def use_decode_kernel(tokens: int, taps: int, state: jax.Array, shards: int) -> bool:
-    """Whether a GDN layer's pass of `tokens` tokens with a `taps`-tap convolution and state
-    [B, nv, dk, dv] runs `gdn_decode_pallas`: one token, on a GPU, on one device, outside
+    """Whether a GDN layer's pass of `tokens` tokens with a `taps`-tap convolution and states
+    [..., dk, dv] runs `gdn_decode_pallas`: one token, on a GPU, on one device, outside
     batch-invariant mode, at power-of-two taps and dk and dv a multiple of BLOCK_V (Triton's
     block rule)."""
     dk, dv = state.shape[-2:]

@@ -37,14 +37,17 @@ def test_fused_decode_matches_the_unfused_layer(nk, nv, dk, dv):
     seq = jnp.asarray(rng.normal(size=(B, K, C)), jnp.float32)
     b, a = (jnp.asarray(rng.normal(scale=2.0, size=(B, 1, nv)), jnp.float32) for _ in range(2))
     valid = jnp.array([[True], [False], [True]])
-    state = jnp.asarray(rng.normal(size=(B, nv, dk, dv)), jnp.float32)
+    states = jnp.asarray(rng.normal(size=(3, B, nv, dk, dv)), jnp.float32)  # 3 repeats; the layer is repeat 1
+    state = states[1]
 
     o_ref, s_ref, _ = layer.delta_rule(seq, b, a, valid, state, None)
     o, s = gdn_decode_pallas(seq, layer.conv1d[...][:, 0, :], b[:, 0], a[:, 0], layer.A_log[...],
-                             layer.dt_bias[...], valid[:, 0], state, num_k_heads=nk, interpret=True)
+                             layer.dt_bias[...], valid[:, 0], states, jnp.int32(1), num_k_heads=nk, interpret=True)
     assert relative_error(o, o_ref[:, 0]) < 1e-5
-    assert relative_error(s, s_ref) < 1e-5
-    np.testing.assert_array_equal(s[1], state[1])  # a row that is not valid keeps its state
+    assert relative_error(s[1], s_ref) < 1e-5
+    np.testing.assert_array_equal(s[1, 1], state[1])  # a row that is not valid keeps its state
+    np.testing.assert_array_equal(s[0], states[0])  # the other repeats' states are not touched
+    np.testing.assert_array_equal(s[2], states[2])
 
 
 def test_the_kernel_is_chosen_only_for_one_token_on_a_gpu():
