@@ -136,12 +136,16 @@ def open_final_message(text: str, content: str) -> str:
     return text[:at + len(content.strip())]
 
 
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 class ChatTokenizer:
     """The checkpoint's tokenizer with its chat template: what vLLM's `LLM.get_tokenizer()` gives,
     answering the common calls of an HF tokenizer with HF's defaults (`encode` adds special tokens,
     `decode` keeps them): `encode`, call, `decode`, `batch_decode`, `convert_ids_to_tokens`,
-    `convert_tokens_to_ids`, `apply_chat_template`, `len`, `vocab_size`, and the special tokens
-    tokenizer_config.json names (`eos_token` / `eos_token_id`, `pad_*`, `bos_*`; None if unnamed)."""
+    `convert_tokens_to_ids`, `apply_chat_template`, `len`, `vocab_size`, `all_special_ids`, and the
+    special tokens tokenizer_config.json names (`eos_token` / `eos_token_id`, `pad_*`, `bos_*`; None
+    if unnamed)."""
 
     def __init__(self, tokenizer, template: ChatTemplate | None, config: dict | None = None):
         self.tokenizer, self.template = tokenizer, template
@@ -197,6 +201,17 @@ class ChatTokenizer:
     def _special_id(self, name: str) -> int | None:
         token = self._special(name)
         return None if token is None else self.convert_tokens_to_ids(token)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """HF's: the ids of the special tokens tokenizer_config.json names (bos, eos, unk, sep, pad,
+        cls, mask, then its additional / extra special tokens), each once, in that order."""
+        named = [special_token_text(self.config, name) for name in SPECIAL_TOKEN_NAMES]
+        extra = self.config.get("additional_special_tokens") or self.config.get("extra_special_tokens") or []
+        extra = list(extra.values()) if isinstance(extra, dict) else list(extra)
+        texts = named + [t.get("content", "") if isinstance(t, dict) else t for t in extra]
+        ids = [self.convert_tokens_to_ids(t) for t in texts if t]
+        return list(dict.fromkeys(i for i in ids if i is not None))
 
     def apply_chat_template(self, conversation: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
                             return_dict: bool = False, **kwargs) -> str | list[int] | dict:

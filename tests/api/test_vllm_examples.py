@@ -11,13 +11,15 @@ import pytest
 EXAMPLES = Path(__file__).parent / "vllm_examples"
 
 
-@pytest.mark.parametrize("name", ["generate.py", "chat.py", "utils.py", "prefix_caching.py"])
+@pytest.mark.parametrize("name", ["generate.py", "chat.py", "utils.py", "prefix_caching.py", "spec_decode.py"])
 def test_only_imports_and_the_model_changed(name):
     lines = (EXAMPLES / name).read_text().splitlines()
     assert lines[0] == "# SPDX-License-Identifier: Apache-2.0" and "Apache License 2.0" in "\n".join(lines[1:4])
     changed = [line for line in lines[4:] if "# was: " in line]
-    assert changed and all(re.search(r"\bspec_jax\b|model=None", line) for line in changed)
-    unmarked = [line for line in lines[4:] if re.search(r"\bspec_jax\b|\bvllm\b", line) and "# was: " not in line]
+    assert changed and all(re.search(r"\bspec_jax\b|model=None|default_model_dir\(\)", line) for line in changed)
+    # an import from vllm, or code naming its modules (not its "vllm:" metric names or asset URLs)
+    unmarked = [line for line in lines[4:] if re.search(r"\bspec_jax\b|\bvllm\.|\b(from|import) vllm\b", line)
+                and "# was: " not in line]
     assert unmarked == []
 
 
@@ -48,3 +50,25 @@ def test_prefix_caching_gives_the_same_answers(monkeypatch, capsys):
     out = run_example("prefix_caching.py", [], monkeypatch, capsys)
     assert out.count("Generated text: ") == 8
     assert out.rstrip().endswith("Generated answers are the same: True")
+
+
+SPEC_DECODE_FLAGS = ["--num-prompts", "2", "--random-input-len", "16", "--output-len", "8", "--max-model-len", "64",
+                     "--max-num-seqs", "2", "--print-output"]
+
+
+def test_spec_decode_runs_mtp_on_random_prompts_and_reads_the_metrics(monkeypatch, capsys):
+    out = run_example("spec_decode.py", ["--method", "mtp", *SPEC_DECODE_FLAGS], monkeypatch, capsys)
+    assert out.count("generated text: ") == 2
+    stat = {k: int(v) for k, v in re.findall(r"^(total_num_output_tokens|num_drafts|num_draft_tokens|"
+                                             r"num_accepted_tokens): (\d+)$", out, re.M)}
+    assert 0 < stat["total_num_output_tokens"] <= 16 and stat["num_drafts"] > 0
+    assert stat["num_accepted_tokens"] <= stat["num_draft_tokens"] <= 2 * stat["num_drafts"]
+    length = float(re.search(r"mean acceptance length: ([\d.]+)", out).group(1))
+    assert length == pytest.approx(1 + stat["num_accepted_tokens"] / stat["num_drafts"], abs=0.005)
+    rates = [float(r) for r in re.findall(r"^acceptance at token (?:0|1): ([\d.]+)$", out, re.M)]
+    assert len(rates) == 2 and rates[0] >= rates[1]
+
+
+def test_spec_decode_default_method_eagle_is_refused_naming_eagle3(monkeypatch, capsys):
+    with pytest.raises(ValueError, match="eagle3"):
+        run_example("spec_decode.py", SPEC_DECODE_FLAGS, monkeypatch, capsys)

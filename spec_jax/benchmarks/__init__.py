@@ -1,0 +1,1 @@
+"""`vllm.benchmarks`'s path for what example scripts import from it: `datasets`."""
