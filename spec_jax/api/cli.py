@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                        help="the tool-call format: qwen3_coder (Qwen3.5/3.6, Qwen3-Coder) or hermes (Qwen2.5/3)")
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                       help="qwen3: the text inside <think>...</think> goes to reasoning_content, not content")
+                       help="qwen3: the text inside <think>...</think> goes to reasoning_content, not content, "
+                            "and structured output holds the answer after it")
     bench = sub.add_parser("bench", help="batch eval: a JSONL of prompts through the jitted engine, with metrics")
     add_model_args(bench)
     bench.add_argument("--input", required=True,
