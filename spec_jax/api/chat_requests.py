@@ -11,7 +11,7 @@ import json
 
 from spec_jax.api.forced_tool_calls import ForcedCallParser, tool_choice_schema
 from spec_jax.api.openai_requests import APIError, ChatBody, Constraint, structured_output
-from spec_jax.api.reasoning import REASONING_PARSERS
+from spec_jax.engine.reasoning_grammar import REASONING_PARSERS
 from spec_jax.api.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser
 from spec_jax.engine.structured import StructuredOutputsParams
 

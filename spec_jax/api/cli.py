@@ -19,7 +19,7 @@ import threading
 import time
 
 from spec_jax.api.arg_parser import FlexibleArgumentParser
-from spec_jax.api.reasoning import REASONING_PARSERS
+from spec_jax.engine.reasoning_grammar import REASONING_PARSERS
 from spec_jax.api.tool_parsers import TOOL_CALL_PARSERS
 
 
@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
                        help="the tool-call format: qwen3_coder (Qwen3.5/3.6, Qwen3-Coder) or hermes (Qwen2.5/3)")
     serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                       help="qwen3: the text inside <think>...</think> goes to reasoning_content, not content")
+                       help="qwen3: the text inside <think>...</think> goes to reasoning_content, not content, "
+                            "and structured output holds the answer after it")
     bench = sub.add_parser("bench", help="batch eval: a JSONL of prompts through the jitted engine, with metrics")
     add_model_args(bench)
     bench.add_argument("--input", required=True,
@@ -151,7 +152,8 @@ def seconds(text: str) -> float:
     return value
 
 
-def load_llm(args):
+def load_llm(args, **options):
+    """The LLM the command's flags describe; options: LLM keywords of one command's own flags."""
     from spec_jax.api.llm import LLM
 
     t0 = time.perf_counter()
@@ -159,7 +161,7 @@ def load_llm(args):
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, tokenizer=args.tokenizer,
               max_num_seqs=args.max_num_seqs, batch_buckets=args.batch_buckets, seed=args.seed,
               speculative_config=args.speculative_config, rollback=args.rollback,
-              batch_invariant=args.batch_invariant, **engine_args)
+              batch_invariant=args.batch_invariant, **engine_args, **options)
     print(f"loaded {llm.model_path} ({llm.cfg.model_type}, {llm.cfg.num_hidden_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return llm
@@ -243,7 +245,7 @@ def serve(args) -> None:
                           reasoning_parser=args.reasoning_parser)  # checked before the model loads
     if args.enable_prefix_caching is None:  # on by default in the server, as in vLLM
         args.enable_prefix_caching = True
-    llm = load_llm(args)
+    llm = load_llm(args, reasoning_parser=args.reasoning_parser)  # grammars then start after the reasoning
     if not 1 <= args.steps_per_chunk <= llm.max_model_len:
         raise ValueError(f"--steps-per-chunk {args.steps_per_chunk} must be 1 to {llm.max_model_len} (the "
                          f"--max-model-len: no row runs more steps)")

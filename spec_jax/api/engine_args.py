@@ -2,7 +2,8 @@
 changed. `LLM(**kwargs)` and the CLI take vLLM's names; each argument is
 
 * used: it means here what it means in vLLM (`LLM`'s own parameters, and those below that
-  `EngineArgs.resolve` turns into values for it: `gpu_memory_utilization`, `quantization`);
+  `EngineArgs.resolve` turns into values for it: `gpu_memory_utilization`, `quantization`,
+  `reasoning_parser`);
 * ignored: it has no counterpart in this engine. Accepted, and said once (a warning naming it and
   why), so that a script written for vLLM keeps running;
 * refused: it asks for something this engine does not do (several devices, a KV-cache dtype). A
@@ -66,7 +67,7 @@ enable_sleep_mode calculate_kv_scales use_tqdm_on_load enable_multimodal_encoder
 kv_sharing_fast_prefill
 """.split())
 
-USED = ("gpu_memory_utilization", "quantization")  # resolved here into values `LLM` acts on
+USED = ("gpu_memory_utilization", "quantization", "reasoning_parser")  # resolved here into values `LLM` acts on
 
 TEXT_ONLY = "the models here read text only"
 NO_CUDA_GRAPHS = "there are no CUDA graphs; batch_buckets sets the batch sizes compiled for"
@@ -160,7 +161,6 @@ NOT_BUILT = {
     "structured_outputs_config": NO_STRUCTURED, "guided_decoding_backend": NO_STRUCTURED,
     "guided_decoding_disable_fallback": NO_STRUCTURED, "guided_decoding_disable_any_whitespace": NO_STRUCTURED,
     "guided_decoding_disable_additional_properties": NO_STRUCTURED,
-    "reasoning_parser": "reasoning is split by the server (spec-jax serve --reasoning-parser), not by LLM",
     "hf_overrides": AS_WRITTEN, "hf_config_path": AS_WRITTEN, "rope_scaling": AS_WRITTEN, "rope_theta": AS_WRITTEN,
     "override_attention_dtype": "attention runs in the model's dtype",
     "override_generation_config": "sampling defaults come from the checkpoint's generation_config.json",
@@ -206,6 +206,7 @@ class ResolvedArgs:
 
     gpu_memory_utilization: float | None = None
     quantization: str | None = None
+    reasoning_parser: str | None = None
 
 
 def unset(value) -> bool:
@@ -244,6 +245,8 @@ def resolve(kwargs: dict) -> ResolvedArgs:
                 raise ValueError(f"quantization={value!r} is not supported; accepted: None, "
                                  f"{', '.join(repr(m) for m in methods)}")
             args.quantization = value
+        elif name == "reasoning_parser":
+            args.reasoning_parser = value or None  # checked by EngineConfig
         else:
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
     return args

@@ -2,8 +2,9 @@
 to JSON by a schema (`tool_choice_schema`) and read back as calls (`ForcedCallParser`), whatever
 --tool-call-parser says.
 
-* "required": a JSON array of at least one `{"name": ..., "parameters": {...}}`, each name one of
-  the tools' with that tool's parameter schema (at most one item with parallel_tool_calls false);
+* "required": a JSON array of at least one `{"name": ..., "parameters": {...}}` (those two keys
+  only: the rest would be dropped), each name one of the tools' with that tool's parameter schema
+  (at most one item with parallel_tool_calls false);
 * a named function: the JSON object of that function's arguments.
 
 The server holds the answer to the schema with structured output (`chat_requests.chat_constraint`)."""
@@ -29,7 +30,7 @@ def tool_choice_schema(tools: list[dict], named: str | None, parallel: bool) -> 
         return parameters_of(next(t for t in tools if t["function"]["name"] == named))
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                                "parameters": parameters_of(t)},
-              "required": ["name", "parameters"]} for t in tools]
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1

@@ -135,7 +135,8 @@ class LLM:
       **kwargs: vLLM's other engine arguments (`engine_args`): `gpu_memory_utilization` sizes
         max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
         or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
-        be ignored; multi-device ones above 1 are refused.
+        be ignored; multi-device ones above 1 are refused; `reasoning_parser` ("qwen3") holds
+        structured output to the answer, after the reasoning (`spec_jax.engine.reasoning_grammar`).
     """
 
     def __init__(self, model: str | Qwen3_5Model | None = None, *, dtype: str = "auto",
@@ -175,7 +176,8 @@ class LLM:
             prefix_cache_bytes=gigabytes("prefix_cache_gb", prefix_cache_gb, positive=True),
             prefix_cache_host_bytes=gigabytes("prefix_cache_host_gb", prefix_cache_host_gb, positive=False),
             batch_invariant=batch_invariant, rollback=rollback, speculative=spec, seed=seed,
-            gpu_memory_utilization=engine_args.gpu_memory_utilization, grammar_drafts=grammar_drafts)
+            gpu_memory_utilization=engine_args.gpu_memory_utilization, grammar_drafts=grammar_drafts,
+            reasoning_parser=engine_args.reasoning_parser)
         quantize_to = None if loaded is not None else check_quantization(engine_args.quantization,
                                                                            checkpoint_methods(model))
         enable_compilation_cache()

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import re
 
-REASONING_PARSERS = ("qwen3",)
+from spec_jax.engine.reasoning_grammar import THINK_CLOSE, THINK_OPEN, reasoning_start
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Qwen3.5/3.6 may start a tool call without closing the thought first: a <tool_call> followed by a
 # <function=...> header ends the reasoning, and the call is the answer's.
 TOOL_CALL_OPEN, FUNCTION_OPEN = "<tool_call>", "<function="
@@ -22,7 +21,7 @@ TOOL_CALL_OPEN, FUNCTION_OPEN = "<tool_call>", "<function="
 
 def prompt_opens_reasoning(prompt: str) -> bool:
     """Whether the rendered prompt leaves a `<think>` block open, so the output starts in reasoning."""
-    return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+    return reasoning_start(prompt) == "open"
 
 
 def partial_suffix(text: str, tag: str) -> int:

@@ -16,7 +16,9 @@ per-request `speculative` opt-out. Penalties, logit_bias, logprobs and structure
 speculation on, as offline. A field the server does not implement is a 400 naming it (`openai_requests.refuse_unknown`).
 
 Chat answers are split into reasoning, content and tool calls by the parsers the server was
-started with (`chat_requests.ChatParsers`, `chat_output`).
+started with (`chat_requests.ChatParsers`, `chat_output`). With a reasoning parser, which the engine
+shares, structured output and forced tool calls hold the answer after the reasoning
+(`spec_jax.engine.reasoning_grammar`).
 
 Chat prompts are rendered from the checkpoint's own template (`chat.ChatTemplate`: tokenizer_config.json's
 `chat_template`, or chat_template.jinja beside it, or `--chat-template FILE`). A checkpoint without one
@@ -63,6 +65,10 @@ class Server:
 
     def __init__(self, llm: LLM, *, served_model_name: str | None = None, chat_template: str | None = None,
                  steps_per_chunk: int = 4, parsers: ChatParsers = ChatParsers(), api_key: str | None = None):
+        if parsers.reasoning_parser != llm.engine.config.reasoning_parser:
+            raise ValueError(f"the server splits reasoning with reasoning_parser={parsers.reasoning_parser!r} but the "
+                             f"engine's grammars follow reasoning_parser={llm.engine.config.reasoning_parser!r}; "
+                             f"give both the same (LLM(reasoning_parser=...) and ChatParsers(reasoning_parser=...))")
         self.llm = llm
         self.name = served_model_name or str(llm.model_path)
         self.scheduler = Scheduler(llm.engine, steps_per_chunk=steps_per_chunk)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from pallas_kernels.gdn_chunked import CHUNK
 from models.qwen3_5 import ROLLBACKS, Qwen3_5Config
 from spec_jax.engine.params import INT32_MAX, check_int
+from spec_jax.engine.reasoning_grammar import REASONING_PARSERS
 from spec_jax.engine.spec_config import SpeculativeConfig, check_mtp_head
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -62,6 +63,9 @@ class EngineConfig:
     gpu_memory_utilization: size max_num_seqs to this share of the device's memory (None: as given).
     grammar_drafts: in a constrained row, draft the tokens its grammar forces (and EOS once it ended)
       where the proposer has none or drafted a forbidden one (`grammar_rows`); off only to measure it.
+    reasoning_parser: vLLM's engine argument, one of `REASONING_PARSERS` (None: no reasoning): a
+      constrained row's grammar holds its answer, after the reasoning the prompt leaves it in
+      (`reasoning_grammar`).
     """
 
     max_model_len: int | None = None
@@ -80,6 +84,7 @@ class EngineConfig:
     seed: int = 0
     gpu_memory_utilization: float | None = None
     grammar_drafts: bool = True
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1, 4096, "must be between 1 and 4096")
@@ -100,6 +105,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "batch_invariant", "grammar_drafts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not built; accepted: None, "
+                             f"{', '.join(map(repr, REASONING_PARSERS))}")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2, INT32_MAX, f"must be from 2 to {INT32_MAX}")
             self._check_prefix_block()

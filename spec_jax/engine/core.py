@@ -156,8 +156,8 @@ class EngineCore:
             text = getattr(getattr(self.tokenizer, "hf", None), "to_str", None)
             if text is None:
                 raise ValueError(f"structured outputs need the model's tokenizer.json, and {self.name} has none")
-            self._grammars = GrammarRows(text(), self.cfg.vocab_size, self.cfg.eos_token_id[0],
-                                         forced_drafts=self.config.grammar_drafts)
+            options = dict(forced_drafts=self.config.grammar_drafts, reasoning_parser=self.config.reasoning_parser)
+            self._grammars = GrammarRows(text(), self.cfg.vocab_size, self.cfg.eos_token_id[0], **options)
         return self._grammars
 
     def grammar_ids(self, state: DecodeState) -> list[int]:
@@ -368,7 +368,7 @@ class EngineCore:
         grammars = None
         if any(p.structured is not None for p in params) or "grammar" in processors:
             rows_of = self.grammar_rows()
-            grammars = [rows_of.add(p.structured) if p.structured is not None else -1 for p in params]
+            grammars = [rows_of.add(p.structured, x) if p.structured is not None else -1 for x, p in zip(ids, params)]
         batch = assemble_batch(ids, params, seeds, rows=rows or self.batch_bucket(len(ids)),
                                prompt_len=self.runner.prompt_bucket(max(len(x) for x in ids)),
                                max_model_len=self.max_model_len, eos=self.cfg.eos_token_id, stop_width=stop_width,

@@ -13,7 +13,9 @@ program (a host callback), after the proposer drafted and before the target's lo
 - the mask of each verify position is the grammar's after the drafts before it, computed for all
   rows in parallel by llguidance, which rolls its matchers back to the accepted state itself.
 
-Rows of the batch without a grammar get masks of all ones. Compiled grammars are cached per grammar
+With a reasoning parser (`EngineConfig.reasoning_parser`) a row's grammar holds the answer after the
+reasoning its prompt leaves open (`reasoning_grammar`). Rows of the batch without a grammar get masks
+of all ones. Compiled grammars are cached per grammar
 text, so a schema is compiled once however many requests use it.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import threading
 import time
 
@@ -28,6 +31,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
+from spec_jax.engine.reasoning_grammar import after_reasoning, reasoning_start
 from spec_jax.engine.structured import StructuredOutputsParams, grammar_text
 
 CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used go first)
@@ -36,6 +40,14 @@ CACHED_GRAMMARS = 256  # compiled grammars kept (least recently used go first)
 def mask_words(vocab_size: int) -> int:
     """int32 words of a token bitmask over vocab_size tokens (bit t % 32 of word t // 32)."""
     return (vocab_size + 31) // 32
+
+
+def special_texts(tokenizer_json: str, tokenizer: llguidance.LLTokenizer) -> frozenset[str]:
+    """The added tokens llguidance holds as special (the tokenizer's special ones, and those shaped
+    `<...>` like Qwen's `<think>`): their bytes are no text, so a grammar names them as tokens."""
+    added = json.loads(tokenizer_json).get("added_tokens") or []
+    return frozenset(t["content"] for t in added
+                     if t["id"] < tokenizer.vocab_size and tokenizer.is_special_token(t["id"]))
 
 
 def eos_only(words: int, eos: int) -> np.ndarray:
@@ -61,28 +73,32 @@ class GrammarRows:
     identity: the compiled programs that call it are keyed by it."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos: int, *, forced_drafts: bool = True,
-                 threads: int | None = None):
+                 reasoning_parser: str | None = None, threads: int | None = None):
         """tokenizer_json: the checkpoint's tokenizer.json text; vocab_size: the model's (masks
         cover it; ids past the tokenizer's are never allowed); eos: the token a finished grammar allows;
-        forced_drafts: draft what the grammar forces (`EngineConfig.grammar_drafts`); threads: llguidance's
-        (None: its default)."""
+        forced_drafts: draft what the grammar forces (`EngineConfig.grammar_drafts`); reasoning_parser:
+        `EngineConfig.reasoning_parser` (a grammar then holds the answer after the reasoning);
+        threads: llguidance's (None: its default)."""
         if not 0 <= eos < vocab_size:
             raise ValueError(f"structured outputs: the EOS id {eos} is outside the vocabulary [0, {vocab_size})")
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
         self.executor = llguidance.LLExecutor(threads)
         self.words = mask_words(vocab_size)
+        self.special = special_texts(tokenizer_json, self.tokenizer)
         self.compiled: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self.compiles = 0  # grammars compiled so far (a cache miss each)
-        self.forced_drafts = forced_drafts
+        self.forced_drafts, self.reasoning_parser = forced_drafts, reasoning_parser
         self.rows: dict[int, Row] = {}
         self.calls, self.host_s, self.forced = 0, 0.0, 0  # steps served, seconds spent, tokens the grammar drafted
         self.next_id = 0
         self.lock = threading.Lock()
 
-    def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+    def matcher(self, params: StructuredOutputsParams, start: str = "closed") -> llguidance.LLMatcher:
         """A fresh matcher of the request's grammar, from the compiled one cached under its text;
-        ValueError with llguidance's message for a grammar it cannot compile."""
-        text = grammar_text(params)
+        ValueError with llguidance's message for a grammar it cannot compile. start: where the
+        output starts relative to the reasoning (`reasoning_grammar.reasoning_start`; "closed":
+        the grammar holds from the first token)."""
+        text = after_reasoning(grammar_text(params), start, self.special)
         with self.lock:
             pristine = self.compiled.get(text)
             if pristine is not None:
@@ -100,13 +116,22 @@ class GrammarRows:
                 self.compiled.popitem(last=False)
         return pristine.deep_copy()
 
-    def add(self, params: StructuredOutputsParams) -> int:
-        """Start a constrained row; returns its id (what the row's `RowSampling.grammar` holds)."""
-        row = Row(self.matcher(params))
+    def add(self, params: StructuredOutputsParams, prompt_ids=()) -> int:
+        """Start a constrained row after the prompt `prompt_ids` (with a reasoning parser, where the
+        reasoning it leaves open ends is where the grammar starts); returns its id (what the row's
+        `RowSampling.grammar` holds)."""
+        row = Row(self.matcher(params, self.start_after(prompt_ids)))
         with self.lock:
             self.next_id += 1
             self.rows[self.next_id - 1] = row
             return self.next_id - 1
+
+    def start_after(self, prompt_ids) -> str:
+        """Where the output after `prompt_ids` starts relative to its reasoning
+        (`reasoning_grammar.reasoning_start`); "closed" without a reasoning parser."""
+        if self.reasoning_parser is None:
+            return "closed"
+        return reasoning_start(self.tokenizer.decode_str(list(prompt_ids)))
 
     def failure(self, row_id: int) -> str | None:
         """Why a row's grammar failed (llguidance's message), or None."""

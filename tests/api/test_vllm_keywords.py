@@ -32,7 +32,7 @@ def test_a_misspelt_sampling_keyword_is_a_type_error_naming_it():
 @pytest.mark.parametrize("name, value, reason", [
     ("hf_overrides", {"rope_theta": 1.0}, "config.json is read as written"),
     ("structured_outputs_config", {"backend": "xgrammar"}, "structured output"),
-    ("reasoning_parser", "qwen3", "--reasoning-parser"), ("max_loras", 2, "LoRA"),
+    ("reasoning_parser", "deepseek_r1", "accepted: None, 'qwen3'"), ("max_loras", 2, "LoRA"),
     ("generation_config", "vllm", "accepted: 'auto'"), ("task", "embed", "only text generation"),
 ])
 def test_vllm_engine_keywords_not_built_are_refused_by_name(tiny_dir, name, value, reason):
