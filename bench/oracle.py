@@ -7,8 +7,8 @@ The continuation is data: the full sequences (prompt, then output) of a plain ru
 prompts through `LLM.generate`, taken first. The engine runs the oracle as any proposer of one's
 own, through the speculative config's `proposer` field:
 
-    plain = llm.generate(prompt_token_ids=prompts, sampling_params=greedy)
-    spec = llm.with_speculation(oracle_config(plain, k=3, vocab_size=llm.cfg.vocab_size, corruption_rate=0.2))
+    known = KnownSequences.of_outputs(llm.generate(prompt_token_ids=prompts, sampling_params=greedy))
+    spec = llm.with_speculation(oracle_config(known, k=3, vocab_size=llm.cfg.vocab_size, corruption_rate=0.2))
     spec.generate(prompt_token_ids=prompts, sampling_params=greedy)
 """
 
@@ -108,23 +108,22 @@ class OracleProposer:
         return continuation
 
 
-def oracle_config(plain_outputs, k: int, vocab_size: int, corruption_rate: float = 0.0, **fields) -> dict:
-    """The speculative config (a dict for `LLM.with_speculation`) that drafts the continuations of
-    `plain_outputs` (a plain `LLM.generate` run's RequestOutputs, of the prompts to be run) at k
-    tokens a step, each corrupted with probability corruption_rate; fields: further config fields
-    (enable_adaptive_verification, ...)."""
-    proposer = OracleProposer(k, corruption_rate, vocab_size, KnownSequences.of_outputs(plain_outputs))
+def oracle_config(known: KnownSequences, k: int, vocab_size: int, corruption_rate: float = 0.0, **fields) -> dict:
+    """The speculative config (a dict for `LLM.with_speculation`) that drafts the `known`
+    continuations (a plain run of the prompts to be run) at k tokens a step, each corrupted with
+    probability corruption_rate; fields: further config fields (enable_adaptive_verification, ...)."""
+    proposer = OracleProposer(k, corruption_rate, vocab_size, known)
     return {**fields, "method": "custom_class", "num_speculative_tokens": k, "proposer": proposer}
 
 
-def resolved(spec: dict, plain_outputs, vocab_size: int) -> dict:
+def resolved(spec: dict, known: KnownSequences, vocab_size: int) -> dict:
     """A benchmark's config as the engine takes it: {"method": "oracle", "num_speculative_tokens": k,
     "oracle_corruption_rate": c, ...} (the benchmarks' command-line form; c defaults to 0) becomes
-    `oracle_config` over plain_outputs; any other config is returned as it is."""
+    `oracle_config` over `known`; any other config is returned as it is."""
     if spec.get("method") != "oracle":
         return spec
     own = ("method", "num_speculative_tokens", "oracle_corruption_rate")
     if not isinstance(spec.get("num_speculative_tokens"), int):
         raise ValueError(f"an oracle config needs num_speculative_tokens (an integer), got {spec}")
-    return oracle_config(plain_outputs, spec["num_speculative_tokens"], vocab_size,
+    return oracle_config(known, spec["num_speculative_tokens"], vocab_size,
                          spec.get("oracle_corruption_rate", 0.0), **{f: v for f, v in spec.items() if f not in own})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import HF_FIXTURES
 
-from bench.oracle import oracle_config
+from bench.oracle import KnownSequences, oracle_config
 from models.layers import Batch
 from models.qwen3_5 import init_cache, init_mtp_cache
 from spec_jax import LLM, SamplingParams
@@ -80,7 +80,8 @@ def test_bench_oracle_drafts_on_a_non_degenerate_model(dense_plain, rollback, ra
     plain run's continuation with a share of tokens corrupted: at 0 every draft is accepted, at 1
     none, between them every accepted count occurs; output is plain decoding's throughout."""
     llm, ids, plain = dense_plain
-    spec = llm.with_speculation(oracle_config(plain, 3, llm.cfg.vocab_size, rate), rollback=rollback)
+    config = oracle_config(KnownSequences.of_outputs(plain), 3, llm.cfg.vocab_size, rate)
+    spec = llm.with_speculation(config, rollback=rollback)
     outs = spec.generate(prompt_token_ids=ids, sampling_params=ORACLE_PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     m = spec.metrics
@@ -99,7 +100,7 @@ def test_bench_oracle_finds_each_row_by_its_prompt(dense_plain):
     """Rows in another order than the known sequences, and a prompt the oracle does not know
     (its drafts are then refused, its output still plain decoding's)."""
     llm, ids, plain = dense_plain
-    spec = llm.with_speculation(oracle_config(plain[:1], 3, llm.cfg.vocab_size))
+    spec = llm.with_speculation(oracle_config(KnownSequences.of_outputs(plain[:1]), 3, llm.cfg.vocab_size))
     outs = spec.generate(prompt_token_ids=ids[::-1], sampling_params=ORACLE_PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain[::-1]]
     known, unknown = outs[1].metrics, outs[0].metrics
