@@ -69,8 +69,8 @@ class KnownSequences:
 @dataclasses.dataclass(frozen=True)
 class OracleProposer:
     """Drafts each row's known continuation (`Proposer` protocol, proposers/__init__.py). A row
-    finds its sequence by its prompt: the known sequence whose prompt has the row's length and
-    tokens. A row with none drafts its own buffer's zeros, and acceptance shows it."""
+    finds its sequence by its prompt: the (first) known sequence whose prompt has the row's length
+    and tokens. A row with none drafts its own buffer's zeros, and acceptance shows it."""
 
     k: int
     corruption_rate: float

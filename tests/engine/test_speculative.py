@@ -108,6 +108,15 @@ def test_bench_oracle_finds_each_row_by_its_prompt(dense_plain):
     assert unknown["num_accepted_tokens"] < unknown["num_draft_tokens"] / 2
 
 
+def test_known_sequences_key_programs_by_content():
+    """Two oracles over the same sequences are the same proposer (so they share compiled programs)."""
+    a, b = KnownSequences([([1, 2], [3, 4])]), KnownSequences([([1, 2], [3, 4])])
+    assert a == b and hash(a) == hash(b) and oracle_config(a, 2, 8)["proposer"] == oracle_config(b, 2, 8)["proposer"]
+    assert a != KnownSequences([([1, 2, 3], [4])])  # the same tokens, another prompt
+    with pytest.raises(ValueError, match="corruption_rate must be in \\[0, 1\\], got 1.5"):
+        oracle_config(a, 2, 8, 1.5)
+
+
 class NoUpdate:
     """A drafter missing the protocol's `update`."""
     k = 2
