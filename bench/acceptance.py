@@ -34,6 +34,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from bench.oracle import KnownSequences, oracle_config, resolved
 from spec_jax import LLM, SamplingParams
 from spec_jax.training.corpus import KINDS, heldout_texts, load_corpus
 
@@ -177,7 +178,9 @@ def main(argv=None) -> None:
                     help="rounds of timed runs of a row's configurations; each one's fastest is kept")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="held-out text kinds")
     ap.add_argument("--methods", nargs="+", default=None, help="only methods whose row name starts so")
-    ap.add_argument("--extra-spec", action="append", default=[], help="a further speculative config (JSON)")
+    ap.add_argument("--extra-spec", action="append", default=[],
+                    help="a further speculative config (JSON; method 'oracle', with its oracle_corruption_rate, "
+                         "drafts the plain run: bench/oracle.py)")
     args = ap.parse_args(argv)
 
     model_dir = Path(args.model)
@@ -196,15 +199,15 @@ def main(argv=None) -> None:
         if args.methods is not None:
             specs = [spec for spec in specs if label(spec).startswith(tuple(args.methods))]
         ks = sorted({spec["num_speculative_tokens"] for spec in specs})
-        oracle = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k, **FIXED_K}) for k in ks}
-        # every draft a wrong token: acceptance 0
-        oracle_rejecting = {k: base.with_speculation({"method": "oracle", "num_speculative_tokens": k,
-                                                      "oracle_corruption_rate": 1.0, **FIXED_K}) for k in ks}
         plain, reference = timed({"off": base})["off"]
+        known, vocab = KnownSequences(list(zip(prompts, reference))), base.cfg.vocab_size  # the oracles' drafts
+        oracle = {k: base.with_speculation(oracle_config(known, k, vocab, **FIXED_K)) for k in ks}
+        # every draft a wrong token: acceptance 0
+        oracle_rejecting = {k: base.with_speculation(oracle_config(known, k, vocab, 1.0, **FIXED_K)) for k in ks}
         for spec in [None, *specs]:
             r, tokens = {**plain, "speedup": 1.0}, reference
             if spec is not None:
-                engine_spec = {k: v for k, v in spec.items() if k != "label"}
+                engine_spec = resolved({k: v for k, v in spec.items() if k != "label"}, known, vocab)
                 k = spec["num_speculative_tokens"]
                 runs = timed({"plain": base, "oracle": oracle[k], "oracle rejecting": oracle_rejecting[k],
                               "method": base.with_speculation(engine_spec),

@@ -13,7 +13,8 @@ logit gap between the two tokens there (from a plain forward over the shared pre
 bf16's spacing at that logit: a divergence only bf16 rounding explains sits at a gap of a few
 units. Methods: the trained model's drafters (`bench.acceptance.speculative_configs`), or random
 drafters made on the device for a random geometry (ngram always drafting, so every step
-verifies), plus the oracle at k = 3, whose drafts are plain decoding's own continuation.
+verifies), plus the oracle at k = 3 (`bench.oracle`), whose drafts are the same batch's plain
+decoding's own continuation, every one right.
 
 Cost (--cost): decode ms a token with the mode and without, plain and MTP k = 3 at a synthetic
 acceptance of 0.85, batch 1 and 8, the second run of each timed.
@@ -31,10 +32,11 @@ import jax
 
 from bench.acceptance import prompts_for, speculative_configs
 from bench.models import geometry_config, random_drafter, random_model, random_prompts
+from bench.oracle import KnownSequences, resolved
 from bench.scale import always_drafting, synthetic
 from spec_jax import LLM, SamplingParams
 
-ORACLE = {"method": "oracle", "num_speculative_tokens": 3}
+ORACLE = {"method": "oracle", "num_speculative_tokens": 3}  # corruption 0: every draft right (bench.oracle)
 # (method, k, drafter network to make) for a random geometry; DFlash at block 8 as the trained one
 RANDOM_METHODS = (("mtp", 1, None), ("mtp", 3, None), ("ngram", 3, None), ("dflash", 7, "dflash"),
                   ("eagle3", 3, "eagle3"), ("draft_model", 3, "draft_model"))
@@ -112,9 +114,11 @@ def equality(args, model_or_path, cfg, prompts, record) -> None:
 
             if batch > 1:
                 compare("off", plain, run)
+            known = KnownSequences(list(zip(prompts, plain)))
             for name, config, draft in methods if batch in args.batch else ():  # batch 1 only as the reference
-                proposer = always_drafting(config) if config["method"] == "ngram" and not args.model else None
-                spec = llm.with_speculation(config, draft=draft, proposer=proposer)
+                if config["method"] == "ngram" and not args.model:
+                    config = {**config, "proposer": always_drafting(config)}
+                spec = llm.with_speculation(resolved(config, known, cfg.vocab_size), draft=draft)
                 compare(name, *greedy(spec, prompts, args.new_tokens))
 
 

@@ -346,8 +346,9 @@ def main() -> None:
         config = {**config, "enable_adaptive_verification": False}  # c and the bound are a fixed k's
         key = json.dumps(config, sort_keys=True) if draft is None else name
         if key not in compiled:
-            proposer = always_drafting(config) if config["method"] == "ngram" else None
-            compiled[key] = llm.with_speculation(synthetic(config, 0.0), draft=draft, proposer=proposer)
+            if config["method"] == "ngram":
+                config = {**config, "proposer": always_drafting(config)}
+            compiled[key] = llm.with_speculation(synthetic(config, 0.0), draft=draft)
         spec = compiled[key]
         result["memory"][name] = method_memory(spec, draft)
         for B in args.batch:

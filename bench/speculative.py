@@ -8,8 +8,9 @@
 Each configuration runs once to compile and is timed on a second run. Decode time excludes
 prefill. "step ms" is the decode time over the batch's decode steps; the speedup bound for a
 drafter that costs nothing is mean acceptance length x (plain step ms / spec step ms).
-The oracle method proposes the target's own greedy continuation corrupted at a chosen rate
-(benchmarks only), so speed is measured at a controlled acceptance without trained weights.
+Method "oracle" (`bench.oracle`) proposes the plain run's own continuation, each token corrupted
+at `oracle_corruption_rate` (default 0), so speed is measured at a controlled acceptance without
+trained weights.
 A drafter method with `"model": "random"` gets a random drafter fitted to the target, made on the
 device (`bench.models.random_drafter`), which measures the drafting cost at (near) zero acceptance;
 without --model the target is a random --geometry model made on the device (`bench.models`).
@@ -25,10 +26,12 @@ import jax
 import numpy as np
 
 from bench.models import GEOMETRIES, geometry_config, random_drafter, random_model
+from bench.oracle import KnownSequences, resolved
 from spec_jax import LLM, SamplingParams
 
 
-def measure(llm: LLM, prompts, params) -> dict:
+def measure(llm: LLM, prompts, params) -> tuple[dict, list]:
+    """The second run's figures, and its RequestOutputs."""
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)  # compile
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     m = outs[0].metrics
@@ -38,7 +41,7 @@ def measure(llm: LLM, prompts, params) -> dict:
     for key in ("acceptance_rate", "mean_acceptance_length", "acceptance_per_position"):
         if key in llm.metrics:
             row[key] = llm.metrics[key]
-    return row
+    return row, outs
 
 
 def main() -> None:
@@ -70,7 +73,8 @@ def main() -> None:
     rows = []
     for B in args.batch:
         prompts = [pool[i % len(pool)] for i in range(B)]
-        plain = measure(base, prompts, params)
+        plain, plain_outs = measure(base, prompts, params)
+        known = KnownSequences.of_outputs(plain_outs)  # what an oracle config drafts
         print(json.dumps({"batch": B, "spec": None, **plain}), flush=True)
         for spec in args.spec:
             parsed = json.loads(spec)
@@ -79,7 +83,8 @@ def main() -> None:
                 draft = drafters.setdefault(spec, random_drafter(parsed["method"], base.cfg))
             for rollback in args.rollback:
                 t = time.perf_counter()
-                r = measure(base.with_speculation(spec, rollback=rollback, draft=draft), prompts, params)
+                config = resolved(parsed, known, base.cfg.vocab_size)
+                r, _ = measure(base.with_speculation(config, rollback=rollback, draft=draft), prompts, params)
                 r.update(batch=B, spec=parsed, rollback=rollback, device=jax.devices()[0].device_kind,
                          speedup=r["decode_tok_s"] / plain["decode_tok_s"],
                          verify_over_decode_step=r["step_ms"] / plain["step_ms"],

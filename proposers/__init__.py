@@ -16,6 +16,11 @@ inside the jitted speculative step:
 `choose(logits [B, V], positions [B]) -> (tokens [B], q [B, V] | None)` is the engine's drafting
 policy (argmax, or a draw from the row's sampling distribution), so proposers never see it.
 A proposer's own state rolls back the same way the target's does: by row length.
+
+A proposer from outside this package runs through the speculative config's `proposer` field
+(a Python dict only), in place of the method's own: `{"method": "custom_class",
+"num_speculative_tokens": k, "proposer": obj}` (or another method, whose drafter network the
+engine then loads and hands it as `draft`). `protocol_gaps` names what such an object lacks.
 """
 
 from __future__ import annotations
@@ -32,10 +37,8 @@ class Proposer(Protocol):
     `taps` (target layers whose outputs `ForwardOut.taps` carries), `may_not_draft` (a step
     can come up with no draft in any row, so the step compiles a one-token branch too),
     `shorter_drafts` (the same proposer with a smaller k drafts the first k of this one's drafts
-    from the same state, so a step that verifies fewer drafts drafts only those), `must_propose`
-    (its state advances in `propose`, so even a step that verifies no draft proposes) and
-    `with_continuation(state, tokens [B, L]) -> state` (the benchmarks' oracle: it drafts from the
-    target's own continuation, which the engine runs and hands it after prefill)."""
+    from the same state, so a step that verifies fewer drafts drafts only those) and `must_propose`
+    (its state advances in `propose`, so even a step that verifies no draft proposes)."""
 
     k: int
 
@@ -46,3 +49,20 @@ class Proposer(Protocol):
 
     def update(self, model, draft, state: Any, target, emitted: jax.Array, n_acc: jax.Array, lengths: jax.Array,
                choose: Choose) -> Any: ...
+
+
+PROTOCOL_METHODS = ("init_state", "propose", "update")
+
+
+def protocol_gaps(obj: Any) -> list[str]:
+    """What `obj` lacks to run as a `Proposer`: each missing method, an integer `k` if it has none,
+    and "__hash__" if it cannot be hashed (the compiled programs are keyed by it). Empty: none."""
+    gaps = [name for name in PROTOCOL_METHODS if not callable(getattr(obj, name, None))]
+    k = getattr(obj, "k", None)
+    if isinstance(k, bool) or not isinstance(k, int):
+        gaps.append("k")
+    try:
+        hash(obj)
+    except TypeError:
+        gaps.append("__hash__")
+    return gaps

@@ -17,7 +17,6 @@ from proposers.dspark import DSparkProposer
 from proposers.eagle3 import Eagle3Proposer
 from proposers.mtp import DraftVocabHead, MTPProposer
 from proposers.ngram import NgramProposer
-from proposers.oracle import OracleProposer, OracleTokens
 
 
 def _block_drafter(spec, k: int, draft) -> DFlashProposer:
@@ -47,20 +46,15 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "eagle3": lambda spec, k, draft, V, L: Eagle3Proposer(k, draft.cfg.target_layer_ids),
     "dflash": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
     "dspark": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
-    "oracle": lambda spec, k, draft, V, L: OracleProposer(k, spec.oracle_corruption_rate, V),
 }
 
 
 def build_proposer(spec, vocab_size: int, cache_len: int, draft=None):
     """The proposer for a parsed speculative config. `draft` is the method's network (loaded, or
-    made by `target_drafter`). An `oracle_corruption_rate` on another method wraps it in
-    `OracleTokens` (for benchmarks)."""
+    made by `target_drafter`)."""
     if spec.method not in BUILDERS:
         raise ValueError(f"speculative method {spec.method!r} has no proposer; built: {', '.join(BUILDERS)}")
-    proposer = BUILDERS[spec.method](spec, spec.num_speculative_tokens, draft, vocab_size, cache_len)
-    if spec.method != "oracle" and spec.oracle_corruption_rate is not None:
-        proposer = OracleTokens(proposer, OracleProposer(proposer.k, spec.oracle_corruption_rate, vocab_size))
-    return proposer
+    return BUILDERS[spec.method](spec, spec.num_speculative_tokens, draft, vocab_size, cache_len)
 
 
 def target_drafter(spec, model):

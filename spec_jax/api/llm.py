@@ -246,8 +246,7 @@ class LLM:
     def speculative_config(self) -> SpeculativeConfig | None:
         return self.engine.config.speculative
 
-    def with_speculation(self, speculative_config, *, rollback: str = "replay", draft=None,
-                         proposer=None) -> "LLM":
+    def with_speculation(self, speculative_config, *, rollback: str = "replay", draft=None) -> "LLM":
         """The same loaded weights with another speculative config (None: plain decoding), for
         comparing methods without reloading. Compiled executables are per config, except that a
         config which changes only the synthetic acceptance rates keeps this LLM's drafter, proposer
@@ -255,16 +254,15 @@ class LLM:
 
         draft: the method's drafter network already in memory (for example one made on the
         device by `bench.models.random_drafter`), used in place of loading the config's `model`.
-        proposer: a proposer built already, in place of the method's (a benchmark's variant of it).
+        A proposer of one's own goes in the config's `proposer` field (`SpeculativeConfig`).
         """
         spec = parse_speculative_config(speculative_config, target_model=self.model_path,
                                         target_has_mtp=self.model.mtp is not None)
         other = copy.copy(self)
-        if draft is None and proposer is None and self.engine.keeps_step(spec, rollback):
+        if draft is None and self.engine.keeps_step(spec, rollback):
             other.engine = self.engine.with_rates(spec)
         else:
-            other.engine = self.engine.with_speculation(spec, rollback, draft=self._draft(spec, draft),
-                                                        proposer=proposer)
+            other.engine = self.engine.with_speculation(spec, rollback, draft=self._draft(spec, draft))
         other.metrics, other.lifetime = {}, LifetimeCounters()
         return other
 

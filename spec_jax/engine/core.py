@@ -59,13 +59,14 @@ def integer_array(ids: Sequence[int] | np.ndarray) -> np.ndarray | None:
     return None if any(isinstance(ids[i], bool) for i in maybe_bool) else values
 
 
-def make_plan(config: EngineConfig, vocab_size: int, draft, proposer=None) -> SpecPlan | None:
-    """The speculative step of `config.speculative` (None: plain decoding). proposer: one built
-    already (a benchmark's variant of the method's), in place of the registry's."""
+def make_plan(config: EngineConfig, vocab_size: int, draft) -> SpecPlan | None:
+    """The speculative step of `config.speculative` (None: plain decoding): its `proposer` when
+    it gives one, else the registry's for its method."""
     spec = config.speculative
     if spec is None:
         return None
-    proposer = proposer or build_proposer(spec, vocab_size, config.cache_len, draft)
+    proposer = spec.proposer if spec.proposer is not None else build_proposer(spec, vocab_size, config.cache_len,
+                                                                              draft)
     k = spec.num_speculative_tokens
     return SpecPlan(proposer, k, config.rollback, spec.draft_sample_method == "probabilistic",
                     spec.rejection_sample_method, compiled_widths(k) if spec.enable_adaptive_verification else (k,))
@@ -111,18 +112,18 @@ def sized(config: EngineConfig, row: int) -> EngineConfig:
     return config
 
 
-def start_engine(model: Qwen3_5Model, config: EngineConfig, *, draft=None, proposer=None, tokenizer=None,
+def start_engine(model: Qwen3_5Model, config: EngineConfig, *, draft=None, tokenizer=None,
                  name: str | None = None, mesh=None) -> "EngineCore":
     """An `EngineCore` over a loaded model: `config` resolved against it (`EngineConfig.for_model`)
     and, with gpu_memory_utilization, sized to the device. draft: the method's network, loaded
-    (None: the one cut from the target, if the method has one); proposer: a benchmark's own, in
-    place of the method's; tokenizer: anything with encode / decode, for text, stop strings and
-    bad words; name: the checkpoint's path, which messages name; mesh: the tensor-parallel mesh."""
+    (None: the one cut from the target, if the method has one); tokenizer: anything with encode /
+    decode, for text, stop strings and bad words; name: the checkpoint's path, which messages
+    name; mesh: the tensor-parallel mesh."""
     config = config.for_model(model.cfg, has_mtp=model.mtp is not None)
     if draft is None and config.speculative is not None:
         draft = target_drafter(config.speculative, model)
     runner = Runner(model, draft, config, mesh)
-    plan = make_plan(config, model.cfg.vocab_size, draft, proposer)
+    plan = make_plan(config, model.cfg.vocab_size, draft)
     if config.gpu_memory_utilization is not None:
         config = sized(config, row_bytes(runner, plan, config))
     core = EngineCore(model, config, runner, plan, tokenizer=tokenizer, name=name)
@@ -199,16 +200,15 @@ class EngineCore:
                 f"{c.prefix_block_size}|invariant={c.batch_invariant}")
         return PrefixCache(root, c.prefix_block_size, budget, c.prefix_cache_host_bytes)
 
-    def with_speculation(self, spec: SpeculativeConfig | None, rollback: str, *, draft=None,
-                         proposer=None) -> "EngineCore":
+    def with_speculation(self, spec: SpeculativeConfig | None, rollback: str, *, draft=None) -> "EngineCore":
         """A core on the same weights with another speculative config (None: plain decoding), its
-        own runner and a new prefix store. draft, proposer: as `start_engine`'s."""
+        own runner and a new prefix store. draft: as `start_engine`'s."""
         config = dataclasses.replace(self.config, speculative=spec, rollback=rollback).for_model(
             self.cfg, has_mtp=self.model.mtp is not None)
         if draft is None and spec is not None:
             draft = target_drafter(spec, self.model)
         runner = Runner(self.model, draft, config, self.runner.mesh)
-        plan = make_plan(config, self.cfg.vocab_size, draft, proposer)
+        plan = make_plan(config, self.cfg.vocab_size, draft)
         return EngineCore(self.model, config, runner, plan, tokenizer=self.tokenizer, name=self.name,
                           requests=self.requests)
 
@@ -381,32 +381,19 @@ class EngineCore:
             self.prefix_cache.take_found()  # from here on its lookups are this batch's rows'
         state = self.runner.prefill(self.plan, self.prefix_cache, *batch.inputs(), batch.speculate, do_sample,
                                     num_logprobs, self._grammars_of(batch.sampling))
-        return self._with_plan_data(state, batch, do_sample), do_sample, batch.stops
+        return self._with_plan_data(state, len(batch.lengths)), do_sample, batch.stops
 
     def _grammars_of(self, sampling) -> GrammarRows | None:
         """The `GrammarRows` a program over rows with this sampling calls: ours when they carry grammar ids."""
         return self._grammars if sampling.grammar is not None else None
 
-    def _with_plan_data(self, state: DecodeState, batch, do_sample: bool) -> DecodeState:
+    def _with_plan_data(self, state: DecodeState, rows: int) -> DecodeState:
         """What the plan's step reads besides the prefill's state: the synthetic acceptance rule's
-        rates [B, k], and an oracle's continuation of each row (a plain run of the target on the
-        same runner, as far as any draft of the speculative run can reach: its last step drafts k
-        past its limit)."""
-        plan = self.plan
-        if plan is None:
+        rates [rows, k]."""
+        if self.plan is None or self.plan.acceptance != "synthetic":
             return state
-        if plan.acceptance == "synthetic":
-            rates = np.asarray(self.config.speculative.synthetic_conditional_rates(), np.float32)
-            state = dataclasses.replace(state, acceptance_rates=jnp.asarray(np.tile(rates, (len(batch.lengths), 1))))
-        if hasattr(plan.proposer, "with_continuation"):
-            tokens, lengths, max_lengths, stop_ids, sampling, done = batch.inputs()
-            sampling = dataclasses.replace(sampling, grammar=None)  # the oracle's own run: no matcher follows it
-            reach = jnp.minimum(max_lengths + plan.k, self.max_model_len)
-            plain = self.runner.prefill(None, None, tokens, lengths, reach, jnp.full_like(stop_ids, -1), sampling,
-                                        done, jnp.zeros_like(done), do_sample)
-            continuation = self.runner.decode(None, plain, self.max_model_len, do_sample).tokens
-            state = dataclasses.replace(state, proposer=plan.proposer.with_continuation(state.proposer, continuation))
-        return state
+        rates = np.asarray(self.config.speculative.synthetic_conditional_rates(), np.float32)
+        return dataclasses.replace(state, acceptance_rates=jnp.asarray(np.tile(rates, (rows, 1))))
 
     def decode(self, state: DecodeState, steps: int, do_sample: bool) -> DecodeState:
         """Up to `steps` (speculative) steps on the device; the state is donated. Under an adaptive

@@ -18,9 +18,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from proposers import protocol_gaps
+
 VLLM_METHODS = ("ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle", "eagle3",
                 "extract_hidden_states", "mtp", "dflash", "ngram_gpu", "dspark")
-OUR_METHODS = ("oracle",)  # benchmarks only: see SpeculativeConfig.oracle_corruption_rate
 MTP_ALIASES = ("deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp",
                "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp", "exaone4_5_mtp", "qwen3_next_mtp",
                "qwen4_exp_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "bailing_hybrid_v3_mtp", "minimax_m3_mtp",
@@ -28,7 +29,7 @@ MTP_ALIASES = ("deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm
                "gemma4_mtp", "inkling_mtp", "glm5_next_mtp")  # all fold into "mtp"
 # "ngram_gpu" is vLLM's prompt lookup run on the GPU, which is what "ngram" is here.
 METHOD_ALIASES = {**{a: "mtp" for a in MTP_ALIASES}, "[ngram]": "ngram", "ngram_gpu": "ngram"}
-IMPLEMENTED_METHODS = ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "oracle")
+IMPLEMENTED_METHODS = ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark")
 # vLLM's methods not built, each with what to use instead.
 INSTEAD = {
     "eagle": "EAGLE-1/2 heads (one layer over the target's last hidden state) are not loaded; use 'eagle3' with "
@@ -36,7 +37,8 @@ INSTEAD = {
     "medusa": "Medusa heads are not loaded; use 'mtp' (the target's own MTP head) or 'eagle3'",
     "mlp_speculator": "MLP speculators are not loaded; use 'mtp' (the target's own MTP head) or 'eagle3'",
     "suffix": "suffix-tree decoding is not built; use 'ngram' (prompt lookup on the device)",
-    "custom_class": "no proposer class is imported from outside; use one of the built-in methods",
+    "custom_class": "no proposer class is imported from outside; give a proposer object as 'proposer' (a "
+                    "Python dict only) or use one of the built-in methods",
     "extract_hidden_states": "it drafts nothing; hidden states are not exported",
 }
 NEEDS_MODEL = ("draft_model", "eagle3", "dflash", "dspark")  # methods whose drafter is a separate checkpoint
@@ -64,8 +66,8 @@ class SpeculativeConfig:
 
     Acted on: `method` (canonical, aliases folded), `num_speculative_tokens` (k >= 1), `model`,
     `prompt_lookup_min/max` (ngram window; both default to 5, one given copies to the other),
-    `draft_sample_method`, `rejection_sample_method`, our own `oracle_corruption_rate`, and
-    `synthetic_acceptance_rates` / `synthetic_acceptance_length`, our own `draft_vocab_size`, and
+    `draft_sample_method`, `rejection_sample_method`, `synthetic_acceptance_rates` /
+    `synthetic_acceptance_length`, our own `draft_vocab_size` and `proposer`, and
     `enable_adaptive_verification`.
     Every field after those is accepted for vLLM compatibility and ignored.
 
@@ -89,11 +91,11 @@ class SpeculativeConfig:
     position). The drafter and the verify pass run at their full cost; the token after the
     accepted drafts is the target's own. Output is then not the target's: measure speed only.
 
-    Method "oracle" is ours and for benchmarks only: it proposes the tokens the target itself
-    would produce, each replaced by a wrong token with probability `oracle_corruption_rate`, so
-    acceptance can be dialled in to measure the verifier's cost and the speedup ceiling. Given
-    with any other method, that method's drafter still runs (its full cost and state) but the
-    oracle's tokens are verified in place of its own: a drafter's speed at a chosen acceptance.
+    `proposer` (ours, from Python only) is an object meeting the `Proposer` protocol
+    (`proposers/__init__.py`: `k`, `init_state`, `propose`, `update`, hashable) that drafts in
+    place of the method's own proposer, with k equal to `num_speculative_tokens`. With method
+    "custom_class" (vLLM's method for a proposer from outside) no drafter network is loaded; with
+    another method, that method's network is loaded and handed to it.
     """
 
     method: str
@@ -103,10 +105,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
-    oracle_corruption_rate: float | None = None  # None: 0.0 for method oracle, off for the others
     synthetic_acceptance_rates: tuple | None = None
     synthetic_acceptance_length: float | None = None
     draft_vocab_size: int | None = None  # ours, method mtp: draft over the first n token ids
+    proposer: Any = None  # ours: a Proposer object drafting in place of the method's (see the docstring)
     # ---- vLLM fields accepted and ignored
     enforce_eager: bool | None = None
     draft_tensor_parallel_size: int | None = None
@@ -136,6 +138,8 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
+            if f.name == "proposer":  # an object, not JSON: `_check_proposer`
+                continue
             object.__setattr__(self, f.name, _checked(f.name, getattr(self, f.name), _field_types()[f.name]))
         object.__setattr__(self, "method", canonical_method(self.method))
         k = self.num_speculative_tokens
@@ -144,11 +148,7 @@ class SpeculativeConfig:
         self._resolve_lookup_window()
         _check_choice("draft_sample_method", self.draft_sample_method, DRAFT_SAMPLE_METHODS)
         _check_choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
-        rate = self.oracle_corruption_rate
-        if rate is None and self.method == "oracle":
-            object.__setattr__(self, "oracle_corruption_rate", rate := 0.0)
-        if rate is not None and not 0.0 <= rate <= 1.0:
-            raise ValueError(f"oracle_corruption_rate must be in [0, 1], got {rate}")
+        self._check_proposer()
         self._resolve_synthetic_rates()
         n = self.draft_vocab_size
         if n is not None and (self.method != "mtp" or n < 1):
@@ -160,6 +160,21 @@ class SpeculativeConfig:
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
                  if f.name in ("method", "num_speculative_tokens") or getattr(self, f.name) != f.default]
         return f"SpeculativeConfig({', '.join(shown)})"
+
+    def _check_proposer(self) -> None:
+        """A given proposer meets the `Proposer` protocol at this k; method custom_class needs one."""
+        proposer, k = self.proposer, self.num_speculative_tokens
+        if proposer is None:
+            if self.method == "custom_class":
+                raise ValueError(f"speculative method 'custom_class' needs 'proposer': {INSTEAD['custom_class']}")
+            return
+        gaps = protocol_gaps(proposer)
+        if gaps:
+            raise ValueError(f"speculative_config.proposer {type(proposer).__name__} does not meet the Proposer "
+                             f"protocol (proposers/__init__.py): it lacks {', '.join(gaps)}")
+        if proposer.k != k:
+            raise ValueError(f"speculative_config.proposer drafts k={proposer.k} tokens but num_speculative_tokens "
+                             f"is {k}; give the same k")
 
     def _resolve_synthetic_rates(self) -> None:
         """Check the synthetic acceptance fields against rejection_sample_method and k; a length
@@ -216,12 +231,11 @@ class SpeculativeConfig:
 
 
 ACTED_FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
-                "draft_sample_method", "rejection_sample_method", "oracle_corruption_rate",
-                "synthetic_acceptance_rates", "synthetic_acceptance_length", "draft_vocab_size",
-                "enable_adaptive_verification")
+                "draft_sample_method", "rejection_sample_method", "synthetic_acceptance_rates",
+                "synthetic_acceptance_length", "draft_vocab_size", "proposer", "enable_adaptive_verification")
 IGNORED_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name not in ACTED_FIELDS)
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
-ACCEPTED_METHODS = (*VLLM_METHODS, *OUR_METHODS, *METHOD_ALIASES)
+ACCEPTED_METHODS = (*VLLM_METHODS, *METHOD_ALIASES)
 
 
 @functools.cache
@@ -296,7 +310,7 @@ def canonical_method(method: str) -> str:
     if not isinstance(method, str):
         raise ValueError(f"method must be a string, got {method!r}")
     method = METHOD_ALIASES.get(method, method)
-    if method not in VLLM_METHODS and method not in OUR_METHODS:
+    if method not in VLLM_METHODS:
         raise ValueError(f"unknown speculative method {method!r}; accepted: {', '.join(ACCEPTED_METHODS)}")
     return method
 
@@ -404,7 +418,7 @@ def parse_speculative_config(spec: dict | str | None, *, target_model: str | Non
         raise ValueError(f"speculative_config.model must be a path or a Hugging Face repo id; {raw['model']!r} has "
                          f"a NUL byte")
     method = _resolve_method(raw)
-    if method not in IMPLEMENTED_METHODS:
+    if method not in IMPLEMENTED_METHODS and not (method == "custom_class" and raw.get("proposer") is not None):
         raise ValueError(f"speculative method {method!r} is not implemented: {INSTEAD[method]}; "
                          f"implemented: {', '.join(IMPLEMENTED_METHODS)}")
     fields = {key: value for key, value in raw.items() if key in FIELD_NAMES}

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+from proposers.ngram import NgramProposer
 from spec_jax.engine.spec_config import (IMPLEMENTED_METHODS, INSTEAD, METHOD_ALIASES, MTP_ALIASES, VLLM_METHODS,
                                          SpeculativeConfig, canonical_method, infer_method, parse_speculative_config)
 
@@ -72,18 +73,57 @@ def test_bracket_ngram_folds():
     assert parse({"method": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
 
 
-def test_oracle():
-    cfg = parse({"method": "oracle", "num_speculative_tokens": 4, "oracle_corruption_rate": 0.25})
-    assert (cfg.method, cfg.oracle_corruption_rate) == ("oracle", 0.25)
-    assert parse({"method": "oracle", "num_speculative_tokens": 4,
-                  "oracle_corruption_rate": 1}).oracle_corruption_rate == 1.0
+def test_a_proposer_of_ones_own():
+    """custom_class runs the given proposer; with another method it replaces that method's own."""
+    mine = NgramProposer(3, 2, 4)
+    cfg = parse({"method": "custom_class", "num_speculative_tokens": 3, "proposer": mine})
+    assert (cfg.method, cfg.proposer) == ("custom_class", mine) and "proposer=NgramProposer(" in repr(cfg)
+    assert hash(cfg) == hash(parse({"method": "custom_class", "num_speculative_tokens": 3, "proposer": mine}))
+    assert parse({"method": "ngram", "num_speculative_tokens": 3, "proposer": mine}).proposer is mine
+    assert parse({"method": "ngram", "num_speculative_tokens": 3}).proposer is None
+
+
+def test_custom_class_needs_a_proposer():
+    with pytest.raises(ValueError, match="'custom_class' is not implemented: .*give a proposer object as 'proposer'"):
+        parse({"method": "custom_class", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="'custom_class' needs 'proposer'"):
+        SpeculativeConfig("custom_class", 2)
+
+
+@dataclasses.dataclass  # not frozen: eq without a hash
+class Unhashable:
+    k: int = 2
+
+    def init_state(self, *args): ...
+
+    def propose(self, *args): ...
+
+    def update(self, *args): ...
+
+
+@pytest.mark.parametrize("proposer, lacks", [(object(), "init_state, propose, update, k"), (Unhashable(), "__hash__"),
+                                             ("ngram", "init_state, propose, update, k")])
+def test_a_proposer_must_meet_the_protocol(proposer, lacks):
+    with pytest.raises(ValueError, match=f"proposer {type(proposer).__name__} does not meet the Proposer protocol "
+                                         rf"\(proposers/__init__.py\): it lacks {lacks}$"):
+        parse({"method": "custom_class", "num_speculative_tokens": 2, "proposer": proposer})
+
+
+def test_a_proposer_drafts_the_configs_k():
+    with pytest.raises(ValueError, match="proposer drafts k=3 tokens but num_speculative_tokens is 2"):
+        parse({"method": "custom_class", "num_speculative_tokens": 2, "proposer": NgramProposer(3, 2, 4)})
+
+
+def test_oracle_is_no_engine_method():
+    with pytest.raises(ValueError, match="unknown speculative method 'oracle'"):
+        parse({"method": "oracle", "num_speculative_tokens": 2})
 
 
 def test_all_thirteen_vllm_methods_are_known():
     assert len(VLLM_METHODS) == 13
     for method in VLLM_METHODS:
         assert canonical_method(method) == ("ngram" if method == "ngram_gpu" else method)
-    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "oracle")
+    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark")
 
 
 def test_config_is_frozen_and_hashable():
@@ -156,7 +196,7 @@ def test_ngram_gpu_is_the_device_ngram():
 
 
 def test_unknown_method_lists_accepted():
-    with pytest.raises(ValueError, match=r"unknown speculative method 'medusa2'; accepted: ngram, medusa, .*oracle.*"
+    with pytest.raises(ValueError, match=r"unknown speculative method 'medusa2'; accepted: ngram, medusa, .*dspark.*"
                                          r"qwen3_5_mtp"):
         parse({"method": "medusa2", "num_speculative_tokens": 2})
 
@@ -190,8 +230,8 @@ def test_spec_of_wrong_python_type():
 def test_ngram_requires_k():
     with pytest.raises(ValueError, match="num_speculative_tokens is required for speculative method 'ngram'"):
         parse({"method": "ngram"})
-    with pytest.raises(ValueError, match="num_speculative_tokens is required for speculative method 'oracle'"):
-        parse({"method": "oracle", "num_speculative_tokens": None})
+    with pytest.raises(ValueError, match="num_speculative_tokens is required for speculative method 'custom_class'"):
+        parse({"method": "custom_class", "num_speculative_tokens": None, "proposer": NgramProposer(3, 2, 4)})
 
 
 @pytest.mark.parametrize("k", [0, -2])
@@ -248,19 +288,6 @@ def test_rejection_sample_method_not_implemented():
 def test_tensor_parallel_size_is_refused():
     with pytest.raises(ValueError, match="'tensor_parallel_size' .* use 'draft_tensor_parallel_size'"):
         parse({"method": "mtp", "tensor_parallel_size": 2})
-
-
-@pytest.mark.parametrize("rate", [-0.1, 1.5])
-def test_oracle_corruption_rate_range(rate):
-    with pytest.raises(ValueError, match=f"oracle_corruption_rate must be in \\[0, 1\\], got {rate}"):
-        parse({"method": "oracle", "num_speculative_tokens": 2, "oracle_corruption_rate": rate})
-
-
-def test_oracle_corruption_rate_defaults():
-    assert parse({"method": "oracle", "num_speculative_tokens": 2}).oracle_corruption_rate == 0.0
-    assert parse({"method": "ngram", "num_speculative_tokens": 2}).oracle_corruption_rate is None
-    assert parse({"method": "ngram", "num_speculative_tokens": 2,
-                  "oracle_corruption_rate": 0.5}).oracle_corruption_rate == 0.5
 
 
 def test_mtp_needs_mtp_tensors():

@@ -1,5 +1,6 @@
-"""The speculative step: greedy spec-on equals spec-off, mixed batches, metrics, streaming, and
-the MTP head's state after rollbacks."""
+"""The speculative step: greedy spec-on equals spec-off, mixed batches, metrics, streaming, the
+MTP head's state after rollbacks, and a proposer of one's own (the benchmarks' oracle) handed over
+in the speculative config."""
 
 import dataclasses
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from helpers import HF_FIXTURES
 
+from bench.oracle import KnownSequences, oracle_config
 from models.layers import Batch
 from models.qwen3_5 import init_cache, init_mtp_cache
 from spec_jax import LLM, SamplingParams
@@ -56,25 +58,80 @@ def test_greedy_spec_equals_plain_alone_and_in_a_mixed_batch(echo_dir, plain_ech
     assert m["num_draft_tokens"] > 0 and 0 <= m["num_accepted_tokens"] <= m["num_draft_tokens"]
 
 
-@pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
-@pytest.mark.parametrize("rate", [0.0, 0.3])
-def test_oracle_drafts_on_a_non_degenerate_model(rollback, rate):
-    """The oracle proposes the target's own continuation with a share of tokens corrupted, so every
-    accepted count occurs on a model whose output does not repeat itself."""
+@pytest.fixture(scope="module")
+def dense_plain():
+    """A non-degenerate model's plain LLM, its two prompts and their plain greedy RequestOutputs."""
     d = HF_FIXTURES / "dense_vl"
     ref = np.load(d / "reference.npz")
     ids = [ref["prompt_ids"].tolist(), ref["prompt_ids_b"].tolist()]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    spec = {"method": "oracle", "num_speculative_tokens": 3, "oracle_corruption_rate": rate}
-    got, llm = run(d, spec, ids, params, rollback=rollback)
-    assert got == [ref["greedy_ids"].tolist(), ref["greedy_ids_b"].tolist()]
-    m = llm.metrics
+    llm = LLM(model=str(d), dtype="float32", max_model_len=128, max_num_seqs=4, batch_buckets=[4])
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=ORACLE_PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref["greedy_ids"].tolist(), ref["greedy_ids_b"].tolist()]
+    return llm, ids, outs
+
+
+ORACLE_PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("rollback, rate", [("checkpoint", 0.0), ("replay", 0.0), ("checkpoint", 0.3),
+                                            ("replay", 0.3), ("replay", 1.0)])
+def test_bench_oracle_drafts_on_a_non_degenerate_model(dense_plain, rollback, rate):
+    """The benchmarks' oracle (a proposer of one's own, handed over in the config) drafts the
+    plain run's continuation with a share of tokens corrupted: at 0 every draft is accepted, at 1
+    none, between them every accepted count occurs; output is plain decoding's throughout."""
+    llm, ids, plain = dense_plain
+    config = oracle_config(KnownSequences.of_outputs(plain), 3, llm.cfg.vocab_size, rate)
+    spec = llm.with_speculation(config, rollback=rollback)
+    outs = spec.generate(prompt_token_ids=ids, sampling_params=ORACLE_PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    m = spec.metrics
+    assert m["num_draft_tokens"] > 0
     if rate == 0:
-        assert m["acceptance_rate"] > 0.95  # only drafts past max_tokens are refused
+        assert m["num_accepted_tokens"] == m["num_draft_tokens"]
+    elif rate == 1:
+        assert m["num_accepted_tokens"] == 0
     else:
         per_pos = m["acceptance_per_position"]
         assert 0.2 < m["acceptance_rate"] < 0.9 and per_pos[0] >= per_pos[1] >= per_pos[2]
     assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+
+
+def test_bench_oracle_finds_each_row_by_its_prompt(dense_plain):
+    """Rows in another order than the known sequences, and a prompt the oracle does not know
+    (its drafts are then refused, its output still plain decoding's)."""
+    llm, ids, plain = dense_plain
+    spec = llm.with_speculation(oracle_config(KnownSequences.of_outputs(plain[:1]), 3, llm.cfg.vocab_size))
+    outs = spec.generate(prompt_token_ids=ids[::-1], sampling_params=ORACLE_PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain[::-1]]
+    known, unknown = outs[1].metrics, outs[0].metrics
+    assert known["num_accepted_tokens"] == known["num_draft_tokens"] > 0
+    assert unknown["num_accepted_tokens"] < unknown["num_draft_tokens"] / 2
+
+
+def test_known_sequences_key_programs_by_content():
+    """Two oracles over the same sequences are the same proposer (so they share compiled programs)."""
+    a, b = KnownSequences([([1, 2], [3, 4])]), KnownSequences([([1, 2], [3, 4])])
+    assert a == b and hash(a) == hash(b) and oracle_config(a, 2, 8)["proposer"] == oracle_config(b, 2, 8)["proposer"]
+    assert a != KnownSequences([([1, 2, 3], [4])])  # the same tokens, another prompt
+    with pytest.raises(ValueError, match="corruption_rate must be in \\[0, 1\\], got 1.5"):
+        oracle_config(a, 2, 8, 1.5)
+
+
+class NoUpdate:
+    """A drafter missing the protocol's `update`."""
+    k = 2
+
+    def init_state(self, *args):
+        return None
+
+    def propose(self, *args):
+        return None
+
+
+def test_a_proposer_missing_a_protocol_method_is_refused(dense_plain):
+    llm = dense_plain[0]
+    with pytest.raises(ValueError, match="proposer NoUpdate does not meet the Proposer protocol .*: it lacks update"):
+        llm.with_speculation({"method": "custom_class", "num_speculative_tokens": 2, "proposer": NoUpdate()})
 
 
 def test_metrics_per_request(echo_dir, plain_echo):
@@ -148,16 +205,3 @@ def test_mtp_refused_on_a_checkpoint_without_mtp():
 def test_bad_configs_fail_at_load(tiny_dir, bad, field):
     with pytest.raises(ValueError, match=field):
         LLM(model=str(tiny_dir), speculative_config=bad)
-
-
-def test_oracle_tokens_through_a_real_drafter():
-    """`oracle_corruption_rate` on a drafter method: the MTP head still runs and keeps its state,
-    but the oracle's tokens are verified, so output is unchanged and acceptance is the oracle's."""
-    d = HF_FIXTURES / "dense_vl"
-    ref = np.load(d / "reference.npz")
-    ids = [ref["prompt_ids"].tolist(), ref["prompt_ids_b"].tolist()]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    spec = {"method": "mtp", "num_speculative_tokens": 2, "oracle_corruption_rate": 0.0}
-    got, llm = run(d, spec, ids, params)
-    assert got == [ref["greedy_ids"].tolist(), ref["greedy_ids_b"].tolist()]
-    assert llm.metrics["acceptance_rate"] > 0.95  # the random MTP head alone accepts almost nothing
