@@ -98,7 +98,9 @@ def next_pow2(n: int) -> int:
 @functools.partial(jax.jit, static_argnames=("keep_states", "block_v", "interpret"))
 def gdn_recurrent_pallas(q, k, v, g, beta, state, *, keep_states: bool = False, block_v: int = 32,
                          interpret: bool = False):
-    """The Pallas kernel; same arguments and results as `gdn_recurrent_reference`.
+    """The Pallas kernel; same arguments and results as `gdn_recurrent_reference`. The final state
+    is written over the state operand (aliased): where the caller no longer needs the old state (a
+    commit's replay) no copy of it is made; where it does, XLA copies it first.
 
     dk and block_v must be powers of two and block_v must divide dv (Triton's block rule); T is
     padded to a power of two with g = beta = 0 tokens, which leave the state unchanged.
@@ -128,6 +130,7 @@ def gdn_recurrent_pallas(q, k, v, g, beta, state, *, keep_states: bool = False, 
         grid=grid,
         in_specs=[by_key_head, by_key_head, by_value, by_head, by_head, by_state],
         out_specs=out_specs,
+        input_output_aliases={5: 1},
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="gdn_recurrent",
@@ -148,6 +151,9 @@ def kernel_fits(q, v) -> bool:
 # scan on verify passes of 4+ tokens that keep no per-token states (1.11-1.36x in 5 of 6 head
 # layouts), and loses on single-token decode and when every state is written out.
 KERNEL_MIN_TOKENS = 4
+# Past this many state bytes (about 10 rows at 27B dims) the kernel runs passes of any length:
+# the unrolled scan's separate kernels each stream the whole state, the kernel reads it once.
+KERNEL_MIN_STATE_BYTES = 32 << 20
 
 
 def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
@@ -193,7 +199,7 @@ def _gdn_recurrent_local(q, k, v, g, beta, state, *, keep_states: bool):
         if on_gpu and kernel_fits(q[:, :1], v):
             return gdn_recurrent_fixed_order(q, k, v, g, beta, state, keep_states=keep_states)
         return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states, unroll=False)
-    wins = q.shape[1] >= KERNEL_MIN_TOKENS and not keep_states
+    wins = not keep_states and (q.shape[1] >= KERNEL_MIN_TOKENS or 4 * state.size >= KERNEL_MIN_STATE_BYTES)
     if on_gpu and wins and kernel_fits(q, v):
         return gdn_recurrent_pallas(q, k, v, g, beta, state, keep_states=keep_states)
     return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states)
