@@ -19,7 +19,9 @@ of the reduction, by autotuning), so there the sums that mix a token's values ru
 whose order XLA cannot change: the projections and the lm_head in `fixed_order_matmul` and the
 norms in `rms_norm` (each tiles the rows itself, so no padded copy of them is made), attention in
 the flash kernel (whole query blocks, one key range) and the gated delta rule in its recurrent
-kernel, whose unrolled step is the same code for every token.
+kernel, whose unrolled step is the same code for every token. Routed experts run each (token,
+expert) pair alone, whatever the pass size, and add a token's pairs in order
+(`expert_matmul.expert_swiglu_invariant`); the router picks experts on fixed tiles of tokens.
 The mode is entered with `batch_invariant(rows)` around tracing, as `spec_jax.engine.runner.Runner`
 does; the layers call `row_tiled`, which is the plain call outside it.
 """
