@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import TINY, relative_error
 
 from bench.oracle import KnownSequences, oracle_config
@@ -194,3 +195,46 @@ def test_routing_breaks_ties_and_weighs_a_token_the_same_in_any_pass():
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(weights, want_weights, rtol=1e-6)
     np.testing.assert_array_equal(ids[0], np.argsort(-np.asarray(logits[0]), stable=True)[:3])
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["shared MLP", "shared expert folded"])
+def test_on_a_gpu_the_moe_block_gives_a_token_the_same_output_in_any_pass(monkeypatch, fold):
+    """The whole MoE block as the mode runs it on a GPU (kernels in interpret mode): the router
+    through the fixed-order matmul, routing on the GPU's tiles, the per-pair expert kernels, the
+    shared expert as an MLP or folded in as expert E. Token 0 alone, beside 3 tokens and beside
+    69 (more pairs than GEMV_MAX_PAIRS): the same bits, and close to the default path."""
+    from models import layers
+    from models.moe import SparseMoE
+    from pallas_kernels import expert_matmul
+
+    rng = np.random.default_rng(6)
+    moe = SparseMoE(MOE)
+    draw = lambda w: jnp.asarray(rng.normal(size=w.shape) / np.sqrt(w.shape[-1]), jnp.float32)  # noqa: E731
+    nnx.update(moe, jax.tree.map(draw, nnx.state(moe, nnx.Param)))
+    x = jnp.asarray(rng.normal(size=(70, MOE.hidden_size)), jnp.float32)
+    want = moe(x)  # the default path, before the GPU is pretended
+    if fold:
+        moe.join_router_and_shared_expert()
+        assert moe.shared_expert is None
+    matmul, pairs, calls = layers.fixed_order_matmul_pallas, expert_matmul._pair_outputs_pallas, []
+
+    def fixed_order(x, w, **kw):
+        calls.append(("matmul", w.shape[0]))
+        return matmul(x, w, **kw, interpret=True)
+
+    def per_pair(x, *a, **kw):
+        calls.append(("pairs", x.shape[0]))
+        return pairs(x, *a, **{**kw, "interpret": True})
+
+    monkeypatch.setattr(layers, "fixed_order_matmul_pallas", fixed_order)
+    monkeypatch.setattr(expert_matmul, "_pair_outputs_pallas", per_pair)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with batch_invariant(8):
+        outs = {n: np.asarray(moe(x[:n])) for n in (1, 4, 70)}
+    k = MOE.num_experts_per_tok + fold
+    assert 70 * k > GEMV_MAX_PAIRS
+    assert [n for kind, n in calls if kind == "pairs"] == [1 * k, 4 * k, 70 * k]
+    assert len([c for c in calls if c[0] == "matmul"]) == 3 * (1 if fold else 5)  # router and shared gate (+ MLP)
+    np.testing.assert_array_equal(outs[4][0], outs[1][0])
+    np.testing.assert_array_equal(outs[70][:4], outs[4])
+    assert relative_error(outs[70], want) < 1e-5
