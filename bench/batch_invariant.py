@@ -4,6 +4,7 @@ the mode on and off, at batch 1 and in mixed batches of 8; and what the mode cos
     python -m bench.batch_invariant --model spec_jax/assets/default --out results/bi_default
     python -m bench.batch_invariant --geometry 27b --layers 8 --out results/bi_27b
     python -m bench.batch_invariant --geometry 27b --cost --out results/bi_cost_27b
+    python -m bench.batch_invariant --geometry 35b-a3b --layers 8 --modes on --methods mtp ngram --out results/bi_35b
 
 Equality: prompt i has `prompt_tokens + (37 i mod 64)` tokens, so the rows of a batch of 8 sit at
 different positions in every pass. In each mode, plain decoding at batch 1 is the reference and
@@ -80,23 +81,27 @@ def greedy(llm: LLM, prompts, new_tokens: int) -> tuple[list[list[int]], dict]:
 
 
 def method_list(args, cfg) -> list[tuple[str, dict, object]]:
-    """(name, speculative config, drafter network or None) for each method to compare."""
+    """(name, speculative config, drafter network or None) for each method to compare that
+    --methods names (a random drafter is made only for those)."""
+    wanted = lambda name: args.methods is None or name.startswith(tuple(args.methods))  # noqa: E731
     if args.model:
         specs = speculative_configs(Path(args.model), has_mtp=cfg.mtp_num_hidden_layers > 0)
-        return [(f"{s['method']} k={s['num_speculative_tokens']}", s, None) for s in specs] + [("oracle k=3", ORACLE,
-                                                                                              None)]
+        named = [(f"{s['method']} k={s['num_speculative_tokens']}", s) for s in specs] + [("oracle k=3", ORACLE)]
+        return [(name, spec, None) for name, spec in named if wanted(name)]
     out = []
     for method, k, drafter in RANDOM_METHODS:
+        if not wanted(f"{method} k={k}"):
+            continue
         draft = random_drafter(drafter, cfg, block_size=k + 1) if drafter else None
         config = {"method": method, "num_speculative_tokens": k, **({"model": "random"} if drafter else {})}
         out.append((f"{method} k={k}", config, draft))
-    return out + [("oracle k=3", ORACLE, None)]
+    return out + [("oracle k=3", ORACLE, None)] * wanted("oracle k=3")
 
 
 def equality(args, model_or_path, cfg, prompts, record) -> None:
     """Every method's greedy tokens against plain batch-1 decoding, in each mode, at each batch:
     a row each to record(row)."""
-    methods = [m for m in method_list(args, cfg) if args.methods is None or m[0].startswith(tuple(args.methods))]
+    methods = method_list(args, cfg)
     for invariant in [mode == "on" for mode in args.modes]:
         for batch in sorted(set(args.batch) | {1}):  # batch 1's plain run is the reference
             llm = LLM(model=model_or_path, max_num_seqs=batch, batch_invariant=invariant,

@@ -19,7 +19,9 @@ of the reduction, by autotuning), so there the sums that mix a token's values ru
 whose order XLA cannot change: the projections and the lm_head in `fixed_order_matmul` and the
 norms in `rms_norm` (each tiles the rows itself, so no padded copy of them is made), attention in
 the flash kernel (whole query blocks, one key range) and the gated delta rule in its recurrent
-kernel, whose unrolled step is the same code for every token.
+kernel, whose unrolled step is the same code for every token. Routed experts run each (token,
+expert) pair alone, whatever the pass size, and add a token's pairs in order
+(`expert_matmul.expert_swiglu_invariant`); the router picks experts on fixed tiles of tokens.
 The mode is entered with `batch_invariant(rows)` around tracing, as `spec_jax.engine.runner.Runner`
 does; the layers call `row_tiled`, which is the plain call outside it.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from typing import Callable
 
@@ -91,9 +94,9 @@ def elementwise(fn: Callable, *xs: jax.Array, lead: int | None = None):
 def row_tiled(fn: Callable, *xs: jax.Array, lead: int | None = None, fixed_rows: bool = False):
     """fn(*xs) with the first `lead` axes of every x (default: all but the last) flattened into
     rows and run `tile_rows(width of xs[0]'s rows)` rows at a time: fn sees [R, ...] tiles only,
-    so a row's result does not depend on how many rows there are. fn returns one array [R, ...].
-    fixed_rows: `invariant_rows()` rows whatever the width (a projection: its [R, N] output is
-    far wider than its input rows). Outside the mode, fn(*xs) itself."""
+    so a row's result does not depend on how many rows there are. fn returns an array [R, ...] or
+    a tuple of them. fixed_rows: `invariant_rows()` rows whatever the width (a projection: its
+    [R, N] output is far wider than its input rows). Outside the mode, fn(*xs) itself."""
     if invariant_rows() is None:
         return fn(*xs)
     lead = xs[0].ndim - 1 if lead is None else lead
@@ -110,5 +113,14 @@ def row_tiled(fn: Callable, *xs: jax.Array, lead: int | None = None, fixed_rows:
     def one(tile):
         return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(tile)))
 
-    out = jax.lax.map(one, tuple(tiled(x) for x in xs))
-    return out.reshape(tiles * rows, *out.shape[2:])[:n].reshape(*shape, *out.shape[2:])
+    def untiled(out):
+        return out.reshape(tiles * rows, *out.shape[2:])[:n].reshape(*shape, *out.shape[2:])
+
+    return jax.tree.map(untiled, jax.lax.map(one, tuple(tiled(x) for x in xs)))
+
+
+def ordered_sum(x: jax.Array, axis: int) -> jax.Array:
+    """x summed over `axis` term by term from index 0, as explicit adds: an order no backend's
+    reduction can change, for the few terms of a token's expert pairs."""
+    terms = jnp.moveaxis(x, axis, 0)
+    return functools.reduce(jnp.add, list(terms))

@@ -16,6 +16,14 @@ applied as the down kernel loads its input, and the routing weight as it stores 
 rows) these kernels on a GPU, the gathering reference elsewhere. Past it pairs repeat experts often
 enough that the grouped matmuls of `expert_grouped` read less (each expert once per tile of its
 pairs): the Triton kernels on a GPU, their plain-JAX form elsewhere.
+
+In batch-invariant mode (`expert_swiglu_invariant`) a pair's output must not depend on how many
+pairs share the pass, and the switch at `GEMV_MAX_PAIRS` (GEMV or grouped tiles, two orders of the
+same sums) would make it. So every pass runs one per-pair form: on a GPU these kernels, which
+reduce each pair alone over K in fixed `Tiling` steps whatever the grid, fed in expert order past
+`GEMV_MAX_PAIRS` pairs so that programs running together share an expert's weights in cache (the
+order changes which program computes a pair, never its sums); elsewhere `pair_swiglu_reference` on
+fixed tiles of pairs. Each token's k pair outputs are then added in pair order.
 """
 
 import dataclasses
@@ -27,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.batch_invariant import invariant_rows, ordered_sum, row_tiled
 from pallas_kernels.expert_grouped import GroupTiling, expert_swiglu_grouped_pallas, expert_swiglu_tiled
 from pallas_kernels.tensor_parallel import TP, on_axis, per_device, tp_size
 
@@ -101,10 +110,18 @@ def expert_swiglu_pallas(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids:
                          *, tiling: Tiling = Tiling(), interpret: bool = False) -> jax.Array:
     """The kernels; same arguments and result as `expert_swiglu_reference`."""
     N, k = ids.shape
+    out = _pair_outputs_pallas(x, gate_up, down, ids.reshape(N * k), weights.reshape(N * k), k=k, tiling=tiling,
+                               interpret=interpret)
+    return out.reshape(N, k, -1).sum(axis=1).astype(x.dtype)
+
+
+def _pair_outputs_pallas(x, gate_up, down, ids, weights, *, k: int, tiling: Tiling, interpret: bool) -> jax.Array:
+    """Each pair's weighted expert output: x [N, H], pair p of token p // k with expert ids [P] and
+    routing weight weights [P] -> [P, H] float32."""
     two_i, H = gate_up.shape[1:]
     inner = down.shape[2]
-    P = N * k
-    flat_ids = ids.reshape(P).astype(jnp.int32)
+    P = ids.shape[0]
+    flat_ids = ids.astype(jnp.int32)
     params = plt.CompilerParams(num_warps=tiling.num_warps, num_stages=1)
     bk_h, bk_i = min(tiling.block_k, H), min(tiling.block_k, inner)
     gu = pl.pallas_call(
@@ -122,8 +139,8 @@ def expert_swiglu_pallas(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids:
         in_specs=[_whole((P,)), _whole((P,)), _whole(gu.shape), _whole(down.shape)],
         out_specs=_whole((P, H)),
         compiler_params=params, interpret=interpret, name="expert_down",
-    )(flat_ids, weights.reshape(P).astype(jnp.float32), gu, down)
-    return out.reshape(N, k, H).sum(axis=1).astype(x.dtype)
+    )(flat_ids, weights.astype(jnp.float32), gu, down)
+    return out
 
 
 # Pairs up to which one GEMV per pair beats the grouped tiles, whose sorting and gathers cost tens
@@ -164,6 +181,8 @@ def group_tiling(pairs: int) -> GroupTiling:
 
 
 def _expert_swiglu_local(x, gate_up, down, ids, weights):
+    if invariant_rows() is not None:
+        return expert_swiglu_invariant(x, gate_up, down, ids, weights)
     on_gpu = jax.default_backend() == "gpu"
     if ids.size <= GEMV_MAX_PAIRS:
         if on_gpu and kernel_fits(gate_up, down):
@@ -173,3 +192,47 @@ def _expert_swiglu_local(x, gate_up, down, ids, weights):
     if on_gpu and tiling.fits(x.shape[1], down.shape[2]):
         return expert_swiglu_grouped_pallas(x, gate_up, down, ids, weights, tiling=tiling)
     return expert_swiglu_tiled(x, gate_up, down, ids, weights, block_m=tiling.block_m)
+
+
+def pair_swiglu_reference(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array,
+                          weights: jax.Array) -> jax.Array:
+    """Each pair alone, in float32: x [P, H] (each pair's token), ids / weights [P] ->
+    weights[p] * swiglu of x[p] through expert ids[p], [P, H] float32. Every product is a dot of
+    one pair's vectors (a batch of GEMVs over the pairs), so no sum mixes two pairs."""
+    gu = jnp.einsum("ph,poh->po", x.astype(jnp.float32), gate_up[ids].astype(jnp.float32))
+    half = gu.shape[-1] // 2
+    inner = jax.nn.silu(gu[:, :half]) * gu[:, half:]
+    return jnp.einsum("pi,phi->ph", inner, down[ids].astype(jnp.float32)) * weights.astype(jnp.float32)[:, None]
+
+
+def expert_swiglu_invariant(x: jax.Array, gate_up: jax.Array, down: jax.Array, ids: jax.Array, weights: jax.Array,
+                            *, interpret: bool = False) -> jax.Array:
+    """Routed experts in batch-invariant mode (shapes as `expert_swiglu_reference`): a pair's output
+    is the same bits whatever else shares the pass. On a GPU the per-pair kernels (`interpret`:
+    in Pallas' interpreter), elsewhere `pair_swiglu_reference` on fixed tiles of pairs; a token's
+    k outputs added in pair order."""
+    N, k = ids.shape
+    P = N * k
+    flat_ids, flat_weights = ids.reshape(P).astype(jnp.int32), weights.reshape(P)
+    token = jnp.arange(P, dtype=jnp.int32) // k
+    if jax.default_backend() == "gpu" or interpret:
+        if not kernel_fits(gate_up, down):
+            raise ValueError(f"batch_invariant=True on a GPU runs routed experts in the per-pair kernel, which takes "
+                             f"power-of-two sizes that its {Tiling()} blocks divide; this model's experts are "
+                             f"hidden {gate_up.shape[2]}, inner {down.shape[2]}")
+
+        def kernels(sel):  # the pairs sel, in that order: [len(sel), H]
+            return _pair_outputs_pallas(x[token[sel]], gate_up, down, flat_ids[sel], flat_weights[sel], k=1,
+                                        tiling=Tiling(), interpret=interpret)
+
+        if P <= GEMV_MAX_PAIRS:
+            out = kernels(jnp.arange(P))
+        else:  # in expert order, so that programs running together share an expert's weights in cache
+            order = jnp.argsort(flat_ids, stable=True)
+            out = jnp.zeros((P, x.shape[1]), jnp.float32).at[order].set(kernels(order), unique_indices=True)
+    else:
+        def tile(xt, it, wt):
+            return pair_swiglu_reference(xt, gate_up, down, it, wt)
+
+        out = row_tiled(tile, x[token], flat_ids, flat_weights, fixed_rows=True)
+    return ordered_sum(out.reshape(N, k, -1), axis=1).astype(x.dtype)

@@ -127,8 +127,8 @@ class LLM:
         or "rolled"; default "decode" on the GPU, "rolled" elsewhere.
       batch_invariant: compute the target so that a token's logits are bitwise the same whatever
         shares its pass (decode, verify, prefill, any batch): greedy output with speculation then
-        equals plain decoding token for token, in any dtype (`pallas_kernels/batch_invariant.py`).
-        Dense models only.
+        equals plain decoding token for token, in any dtype (`pallas_kernels/batch_invariant.py`),
+        dense and MoE models alike.
       grammar_drafts: with structured outputs, draft the tokens a grammar forces (and EOS once it
         ended) where the proposer has none or drafted a forbidden one; False only to measure what
         that gives (`bench.structured`).

@@ -154,9 +154,6 @@ class EngineConfig:
         max_model_len = min(DEFAULT_MAX_MODEL_LEN, limit) if self.max_model_len is None else self.max_model_len
         if not 2 <= max_model_len <= limit:
             raise ValueError(f"max_model_len={max_model_len} must be between 2 and the model's limit {limit}")
-        if self.batch_invariant and cfg.is_moe:
-            raise ValueError("batch_invariant=True is built for dense models; this checkpoint routes experts "
-                             f"(num_experts={cfg.num_experts})")
         if self.speculative is not None and self.speculative.method == "mtp":
             check_mtp_head(has_mtp)
         return dataclasses.replace(self, max_model_len=max_model_len)
