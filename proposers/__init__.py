@@ -35,7 +35,9 @@ class Proposer(Protocol):
     from the same state, so a step that verifies fewer drafts drafts only those), `must_propose`
     (its state advances in `propose`, so even a step that verifies no draft proposes) and
     `with_continuation(state, tokens [B, L]) -> state` (the benchmarks' oracle: it drafts from the
-    target's own continuation, which the engine runs and hands it after prefill)."""
+    target's own continuation, which the engine runs and hands it after prefill) and
+    `retire(state, tokens [B, L], prompt_lengths [B], lengths [B], finished [B]) -> state` (the
+    step calls it with the rows that finished in it: the suffix method caches their outputs)."""
 
     k: int
 
@@ -46,3 +48,9 @@ class Proposer(Protocol):
 
     def update(self, model, draft, state: Any, target, emitted: jax.Array, n_acc: jax.Array, lengths: jax.Array,
                choose: Choose) -> Any: ...
+
+
+class Shared:
+    """Base of a proposer's state that every row of a batch shares (no batch axis: the suffix
+    method's cache of finished outputs). Inserting a row into a batch keeps the batch's; the
+    engine hands it from one batch to the next."""

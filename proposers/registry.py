@@ -18,6 +18,7 @@ from proposers.eagle3 import Eagle3Proposer
 from proposers.mtp import DraftVocabHead, MTPProposer
 from proposers.ngram import NgramProposer
 from proposers.oracle import OracleProposer, OracleTokens
+from proposers.suffix import SuffixProposer
 
 
 def _block_drafter(spec, k: int, draft) -> DFlashProposer:
@@ -48,6 +49,10 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "dflash": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
     "dspark": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
     "oracle": lambda spec, k, draft, V, L: OracleProposer(k, spec.oracle_corruption_rate, V),
+    "suffix": lambda spec, k, draft, V, L: SuffixProposer(
+        k, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_spec_factor,
+        spec.suffix_decoding_min_token_prob, spec.suffix_decoding_max_cached_requests,
+        spec.suffix_decoding_cache_tokens),
 }
 
 
