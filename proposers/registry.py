@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from proposers.combined import CombinedProposer
 from proposers.dflash import DFlashProposer
 from proposers.dflash2 import DFlash2Proposer
 from proposers.draft_model import DraftModelProposer
@@ -40,6 +41,12 @@ def _block_drafter(spec, k: int, draft) -> DFlashProposer:
     return DSparkProposer(k, d.target_layer_ids, d.mask_token_id, *scales, sample_from_anchor=d.sample_from_anchor)
 
 
+def suffix_proposer(spec, k: int) -> SuffixProposer:
+    return SuffixProposer(k, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_spec_factor,
+                          spec.suffix_decoding_min_token_prob, spec.suffix_decoding_max_cached_requests,
+                          spec.suffix_decoding_cache_tokens)
+
+
 # method -> (spec, k, draft network, vocab_size, cache_len) -> proposer
 BUILDERS: dict[str, Callable[..., Any]] = {
     "ngram": lambda spec, k, draft, V, L: NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max),
@@ -49,20 +56,20 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "dflash": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
     "dspark": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
     "oracle": lambda spec, k, draft, V, L: OracleProposer(k, spec.oracle_corruption_rate, V),
-    "suffix": lambda spec, k, draft, V, L: SuffixProposer(
-        k, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_spec_factor,
-        spec.suffix_decoding_min_token_prob, spec.suffix_decoding_max_cached_requests,
-        spec.suffix_decoding_cache_tokens),
+    "suffix": lambda spec, k, draft, V, L: suffix_proposer(spec, k),
 }
 
 
 def build_proposer(spec, vocab_size: int, cache_len: int, draft=None):
     """The proposer for a parsed speculative config. `draft` is the method's network (loaded, or
     made by `target_drafter`). An `oracle_corruption_rate` on another method wraps it in
-    `OracleTokens` (for benchmarks)."""
+    `OracleTokens` (for benchmarks); `enable_suffix_decoding` puts suffix decoding beside it
+    (`CombinedProposer`)."""
     if spec.method not in BUILDERS:
         raise ValueError(f"speculative method {spec.method!r} has no proposer; built: {', '.join(BUILDERS)}")
     proposer = BUILDERS[spec.method](spec, spec.num_speculative_tokens, draft, vocab_size, cache_len)
+    if spec.enable_suffix_decoding:  # suffix drafts up to the tree depth, the model drafter its own k
+        proposer = CombinedProposer(proposer, suffix_proposer(spec, spec.suffix_decoding_max_tree_depth))
     if spec.method != "oracle" and spec.oracle_corruption_rate is not None:
         proposer = OracleTokens(proposer, OracleProposer(proposer.k, spec.oracle_corruption_rate, vocab_size))
     return proposer

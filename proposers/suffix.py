@@ -197,21 +197,22 @@ def source_draft(haystack, valid_end, stop, extra, tokens, lengths, *, depth, li
     return out, pick(n), pick(score)
 
 
-def suffix_propose(tokens: jax.Array, lengths: jax.Array, cache: OutputCache | None, *, k: int, depth: int,
-                   spec_factor: float, min_prob: float, max_requests: int,
-                   candidates: int = CANDIDATES) -> tuple[jax.Array, jax.Array]:
-    """Up to k drafts per row by suffix decoding (module docstring).
+def suffix_drafts(tokens: jax.Array, lengths: jax.Array, cache: OutputCache | None, *, k: int, depth: int,
+                  spec_factor: float, min_prob: float, max_requests: int,
+                  candidates: int = CANDIDATES) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Up to k drafts per row by suffix decoding (module docstring), with their score.
 
     tokens: [B, L] int32, row b's text tokens[b, :lengths[b]] (the rest never read); lengths [B]
     >= 1; cache: the finished outputs (None: no cache, vLLM's max_cached_requests = 0); k, depth
     (max_tree_depth >= 2 to draft anything), spec_factor, min_prob, max_requests, candidates
     (occurrences walked per source): static.
-    Returns (drafts [B, k] int32, 0 past n_draft; n_draft [B] int32 in 0..k).
+    Returns (drafts [B, k] int32, 0 past n_draft; n_draft [B] int32 in 0..k; score [B] float32,
+    the sum of the drafts' estimated probabilities).
     """
     # the most drafts of match length m: the spec factor, k, and the tree's depth
     limits = tuple(min(k, int(m * spec_factor + 1e-6), depth - m) for m in range(1, depth))
     if not any(limits):  # depth 1 or a spec factor too small to draft after any match
-        return jnp.zeros((tokens.shape[0], k), jnp.int32), jnp.zeros_like(lengths)
+        return jnp.zeros((tokens.shape[0], k), jnp.int32), jnp.zeros_like(lengths), jnp.zeros(lengths.shape)
     args = dict(depth=depth, limits=limits, min_prob=min_prob, k=k, candidates=candidates)
     L = tokens.shape[1]
     own = jnp.arange(L)[None, :] <= lengths[:, None] - 2  # earlier occurrences end before the last token
@@ -222,8 +223,9 @@ def suffix_propose(tokens: jax.Array, lengths: jax.Array, cache: OutputCache | N
         stop = jnp.full_like(lengths, G)
         c_drafts, c_n, c_score = source_draft(ring, ring != SEPARATOR, stop, 0, tokens, lengths, **args)
         better = c_score > score  # the cache's draft only where it scores strictly higher
-        drafts, n = jnp.where(better[:, None], c_drafts, drafts), jnp.where(better, c_n, n)
-    return drafts, n.astype(jnp.int32)
+        drafts, n, score = (jnp.where(better[:, None], c_drafts, drafts), jnp.where(better, c_n, n),
+                            jnp.maximum(score, c_score))
+    return drafts, n.astype(jnp.int32), score
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,9 +246,9 @@ class SuffixProposer:
         return OutputCache.empty(self.cache_tokens) if self.max_cached_requests > 0 else None
 
     def propose(self, model, draft, state, tokens, lengths, choose):
-        drafts, n_draft = suffix_propose(tokens, lengths, state, k=self.k, depth=self.max_tree_depth,
-                                         spec_factor=self.max_spec_factor, min_prob=self.min_token_prob,
-                                         max_requests=self.max_cached_requests)
+        drafts, n_draft, _ = suffix_drafts(tokens, lengths, state, k=self.k, depth=self.max_tree_depth,
+                                           spec_factor=self.max_spec_factor, min_prob=self.min_token_prob,
+                                           max_requests=self.max_cached_requests)
         return drafts, n_draft, None, state
 
     def update(self, model, draft, state, target, emitted, n_acc, lengths, choose):

@@ -66,7 +66,7 @@ def make_plan(config: EngineConfig, vocab_size: int, draft, proposer=None) -> Sp
     if spec is None:
         return None
     proposer = proposer or build_proposer(spec, vocab_size, config.cache_len, draft)
-    k = spec.num_speculative_tokens
+    k = config.k
     return SpecPlan(proposer, k, config.rollback, spec.draft_sample_method == "probabilistic",
                     spec.rejection_sample_method, compiled_widths(k) if spec.enable_adaptive_verification else (k,))
 

@@ -69,6 +69,9 @@ class SpeculativeConfig:
     (`proposers.suffix`; k defaults to the tree depth, as in vLLM) and our own
     `suffix_decoding_cache_tokens`: the token slots of the device ring that holds the outputs of
     the last `suffix_decoding_max_cached_requests` finished requests (4 bytes each, twice).
+    `enable_suffix_decoding` (ArcticInference's name) on a model method (mtp, eagle3, dflash, dspark,
+    draft_model) runs suffix decoding beside its drafter, per row per step (`proposers.combined`):
+    the suffix draft (up to the tree depth) where it expects at least k tokens accepted.
     Every field after those is accepted for vLLM compatibility and ignored.
 
     `enable_adaptive_verification` (vLLM's name, but on unless set to false): each step verifies,
@@ -133,6 +136,7 @@ class SpeculativeConfig:
     suffix_decoding_cache_tokens: int = 32768  # ours, method suffix: token slots of the finished-output cache
     draft_load_config: dict | None = None
     enable_adaptive_verification: bool = True  # vLLM's field; on by default here (see the docstring)
+    enable_suffix_decoding: bool = False  # ArcticInference's field: suffix decoding beside a model drafter
     dspark_draft_topk: int | None = None
     speculative_token_tree: str | None = None  # older vLLM releases
     disable_by_batch_size: int | None = None  # older vLLM releases
@@ -153,7 +157,10 @@ class SpeculativeConfig:
         if rate is not None and not 0.0 <= rate <= 1.0:
             raise ValueError(f"oracle_corruption_rate must be in [0, 1], got {rate}")
         self._resolve_synthetic_rates()
-        if self.method == "suffix":
+        if self.enable_suffix_decoding and self.method not in NEEDS_MODEL + ("mtp",):
+            raise ValueError(f"enable_suffix_decoding combines suffix decoding with a model drafter (mtp, "
+                             f"{', '.join(NEEDS_MODEL)}), not with method {self.method!r}")
+        if self.method == "suffix" or self.enable_suffix_decoding:
             self._check_suffix()
         n = self.draft_vocab_size
         if n is not None and (self.method != "mtp" or n < 1):
@@ -233,7 +240,7 @@ class SpeculativeConfig:
 ACTED_FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
                 "draft_sample_method", "rejection_sample_method", "oracle_corruption_rate",
                 "synthetic_acceptance_rates", "synthetic_acceptance_length", "draft_vocab_size",
-                "enable_adaptive_verification")
+                "enable_adaptive_verification", "enable_suffix_decoding")
 SUFFIX_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name.startswith("suffix_decoding_"))
 IGNORED_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name not in ACTED_FIELDS)
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
@@ -362,7 +369,7 @@ def _warn_ignored(raw: dict, method: str) -> None:
     """Warn about known vLLM fields given a value (other than the default) that we do not act on
     (the suffix_decoding_* fields are acted on by method suffix)."""
     defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
-    acted = SUFFIX_FIELDS if method == "suffix" else ()
+    acted = SUFFIX_FIELDS if method == "suffix" or raw.get("enable_suffix_decoding") else ()
     ignored = [key for key in raw if (key in VLLM_ENGINE_FIELDS and raw[key] is not None)
                or (key in IGNORED_FIELDS and key not in acted and raw[key] != defaults[key])]
     if ignored:

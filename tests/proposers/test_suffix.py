@@ -11,7 +11,8 @@ import pytest
 
 from helpers import DRAFT_GREEDY, assert_greedy_equals_plain, drafter_prompts
 from proposers.registry import build_proposer
-from proposers.suffix import SEPARATOR, OutputCache, SuffixProposer, suffix_propose
+from spec_jax.engine.adaptive import StepTimes
+from proposers.suffix import SEPARATOR, OutputCache, SuffixProposer, suffix_drafts
 from spec_jax.engine.spec_config import parse_speculative_config
 
 f32 = np.float32
@@ -96,9 +97,9 @@ def run(rows, *, k, depth, factor=1.0, min_prob=0.1, cached=(), L=None, candidat
     for b, r in enumerate(rows):
         tokens[b, :len(r)] = r
     cache = ring_of(list(cached), slots) if cached else None
-    fn = functools.partial(suffix_propose, k=k, depth=depth, spec_factor=factor, min_prob=min_prob,
+    fn = functools.partial(suffix_drafts, k=k, depth=depth, spec_factor=factor, min_prob=min_prob,
                            max_requests=max_requests, candidates=candidates or 64)
-    drafts, n = jax.jit(fn)(jnp.asarray(tokens), jnp.asarray([len(r) for r in rows], jnp.int32), cache)
+    drafts, n, _ = jax.jit(fn)(jnp.asarray(tokens), jnp.asarray([len(r) for r in rows], jnp.int32), cache)
     drafts, n = np.asarray(drafts), np.asarray(n)
     assert drafts.shape == (len(rows), k) and (drafts[np.arange(k)[None, :] >= n[:, None]] == 0).all()
     return [drafts[b, :n[b]].tolist() for b in range(len(rows))]
@@ -208,6 +209,16 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
 def test_greedy_equals_plain(tiny_llm, plain_greedy, adaptive):
     llm = tiny_llm.with_speculation({**SUFFIX, "enable_adaptive_verification": adaptive})
     assert_greedy_equals_plain(llm, plain_greedy)
+
+
+def test_adaptive_verification_takes_the_cost_models_width(tiny_llm, plain_greedy):
+    """Width 1 cheap, wider dear: no step verifies more than one draft, and some verify one."""
+    llm = tiny_llm.with_speculation(SUFFIX)
+    llm.engine.step_times[4] = StepTimes.measured([1.0, 1.01, 100.0, 100.0])  # widths 0, 1, 3, 6
+    outs = llm.generate(prompt_token_ids=drafter_prompts(), sampling_params=DRAFT_GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain_greedy
+    lengths = llm.metrics["num_steps_per_verify_length"]
+    assert lengths[1] > 0 and sum(lengths[2:]) == 0
 
 
 def test_finished_outputs_feed_later_requests(tiny_llm, plain_greedy):
