@@ -1,5 +1,6 @@
 """Suffix decoding's workload: an agent session and prose, on the default model, with speculation
-off, ngram and suffix (adaptive verification on, the engine's default), greedy.
+off and the `--configs` chosen (ngram, suffix, mtp, mtp+suffix: MTP with suffix decoding beside
+it), adaptive verification on (the engine's default), greedy.
 
     python -m bench.agent_workload --model spec_jax/assets/default --json results/agent.json
 
@@ -32,6 +33,8 @@ CONFIGS = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "suffix": {"method": "suffix"},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 3},
+    "mtp+suffix": {"method": "mtp", "num_speculative_tokens": 3, "enable_suffix_decoding": True},
 }
 
 
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prose-prompts", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="rounds, each on another file and other prose windows")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {', '.join(CONFIGS)} (off always runs)")
+    p.add_argument("--configs", default="ngram,suffix", help=f"which of {', '.join(CONFIGS)} (off always runs)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     base = LLM(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=1)

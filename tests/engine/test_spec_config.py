@@ -83,7 +83,8 @@ def test_all_thirteen_vllm_methods_are_known():
     assert len(VLLM_METHODS) == 13
     for method in VLLM_METHODS:
         assert canonical_method(method) == ("ngram" if method == "ngram_gpu" else method)
-    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "oracle")
+    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "oracle",
+                                   "suffix")
 
 
 def test_config_is_frozen_and_hashable():

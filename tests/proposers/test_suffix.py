@@ -242,3 +242,21 @@ def test_an_inserted_row_keeps_the_batchs_cache(tiny_llm):
     row, _, _ = core.start([[4, 5]], [DRAFT_GREEDY], rows=1)
     inserted = core.insert(batch, 1, row)
     assert np.asarray(inserted.proposer.tokens).tolist() == ring.tolist()
+
+
+def test_the_servers_scheduler_keeps_the_cache_across_requests(tiny_llm, plain_greedy):
+    """Requests through the continuous batch's slots: the plain tokens, and a request repeated
+    after the first finished drafts from its output."""
+    from spec_jax.api.scheduler import Scheduler
+
+    llm = tiny_llm.with_speculation({**SUFFIX, "enable_adaptive_verification": False})
+    scheduler = Scheduler(llm.engine, steps_per_chunk=2).start()
+    try:
+        runs = []
+        for _ in range(2):
+            updates = list(scheduler.stream(drafter_prompts()[2], DRAFT_GREEDY))
+            runs.append((sum((u.token_ids for u in updates), []), updates[-1].metrics["num_accepted_tokens"]))
+    finally:
+        scheduler.shutdown()
+    assert runs[0][0] == runs[1][0] == plain_greedy[2]
+    assert runs[1][1] > runs[0][1]
