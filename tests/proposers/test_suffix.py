@@ -13,6 +13,7 @@ from helpers import DRAFT_GREEDY, assert_greedy_equals_plain, drafter_prompts
 from proposers.registry import build_proposer
 from spec_jax.engine.adaptive import StepTimes
 from proposers.suffix import SEPARATOR, OutputCache, SuffixProposer, suffix_drafts
+from spec_jax import LLM, SamplingParams
 from spec_jax.engine.spec_config import parse_speculative_config
 
 f32 = np.float32
@@ -260,3 +261,31 @@ def test_the_servers_scheduler_keeps_the_cache_across_requests(tiny_llm, plain_g
         scheduler.shutdown()
     assert runs[0][0] == runs[1][0] == plain_greedy[2]
     assert runs[1][1] > runs[0][1]
+
+
+def test_sampling_stays_the_targets(echo_dir):
+    """Two sampled tokens a request, penalties on, the second from one speculative step of suffix
+    drafts (adaptive, verifying both): its joint distribution with the first equals plain decoding's
+    (two-sample chi-square)."""
+    from scipy import stats
+
+    def two_tokens(spec, seeds):
+        llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=64, max_num_seqs=64, speculative_config=spec)
+        if spec is not None:
+            llm.engine.step_times[64] = StepTimes.measured([1.0, 1.0, 1.0])
+        params = [SamplingParams(max_tokens=2 if spec is None else 4, temperature=1.0, seed=int(s), ignore_eos=True,
+                                 presence_penalty=0.8, repetition_penalty=1.5) for s in seeds]
+        outs = llm.generate(prompt_token_ids=[[5, 9, 5, 9, 5]] * len(seeds), sampling_params=params, use_tqdm=False)
+        drafted = sum(o.metrics.get("num_draft_tokens", 0) for o in outs)
+        return np.asarray([o.outputs[0].token_ids[:2] for o in outs]), drafted
+
+    n = 384
+    plain, _ = two_tokens(None, range(n))
+    spec = {"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 8,
+            "suffix_decoding_cache_tokens": 256}
+    spec_on, drafted = two_tokens(spec, range(n, 2 * n))
+    assert drafted > n // 4
+    joint = [t[:, 0] * 64 + t[:, 1] for t in (plain, spec_on)]
+    keys = np.union1d(*joint)
+    table = np.stack([[np.sum(j == key) for key in keys] for j in joint])
+    assert stats.chi2_contingency(table[:, table.sum(0) >= 10]).pvalue > 1e-3
