@@ -37,8 +37,10 @@ class Proposer(Protocol):
     `taps` (target layers whose outputs `ForwardOut.taps` carries), `may_not_draft` (a step
     can come up with no draft in any row, so the step compiles a one-token branch too),
     `shorter_drafts` (the same proposer with a smaller k drafts the first k of this one's drafts
-    from the same state, so a step that verifies fewer drafts drafts only those) and `must_propose`
-    (its state advances in `propose`, so even a step that verifies no draft proposes)."""
+    from the same state, so a step that verifies fewer drafts drafts only those), `must_propose`
+    (its state advances in `propose`, so even a step that verifies no draft proposes) and
+    `retire(state, tokens [B, L], prompt_lengths [B], lengths [B], finished [B]) -> state` (the
+    step calls it with the rows that finished in it: the suffix method caches their outputs)."""
 
     k: int
 
@@ -66,3 +68,9 @@ def protocol_gaps(obj: Any) -> list[str]:
     except TypeError:
         gaps.append("__hash__")
     return gaps
+
+
+class Shared:
+    """Base of a proposer's state that every row of a batch shares (no batch axis: the suffix
+    method's cache of finished outputs). Inserting a row into a batch keeps the batch's; the
+    engine hands it from one batch to the next."""

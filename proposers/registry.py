@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from proposers.combined import CombinedProposer
 from proposers.dflash import DFlashProposer
 from proposers.dflash2 import DFlash2Proposer
 from proposers.draft_model import DraftModelProposer
@@ -17,6 +18,7 @@ from proposers.dspark import DSparkProposer
 from proposers.eagle3 import Eagle3Proposer
 from proposers.mtp import DraftVocabHead, MTPProposer
 from proposers.ngram import NgramProposer
+from proposers.suffix import SuffixProposer
 
 
 def _block_drafter(spec, k: int, draft) -> DFlashProposer:
@@ -38,6 +40,12 @@ def _block_drafter(spec, k: int, draft) -> DFlashProposer:
     return DSparkProposer(k, d.target_layer_ids, d.mask_token_id, *scales, sample_from_anchor=d.sample_from_anchor)
 
 
+def suffix_proposer(spec, k: int) -> SuffixProposer:
+    return SuffixProposer(k, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_spec_factor,
+                          spec.suffix_decoding_min_token_prob, spec.suffix_decoding_max_cached_requests,
+                          spec.suffix_decoding_cache_tokens)
+
+
 # method -> (spec, k, draft network, vocab_size, cache_len) -> proposer
 BUILDERS: dict[str, Callable[..., Any]] = {
     "ngram": lambda spec, k, draft, V, L: NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max),
@@ -46,15 +54,20 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "eagle3": lambda spec, k, draft, V, L: Eagle3Proposer(k, draft.cfg.target_layer_ids),
     "dflash": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
     "dspark": lambda spec, k, draft, V, L: _block_drafter(spec, k, draft),
+    "suffix": lambda spec, k, draft, V, L: suffix_proposer(spec, k),
 }
 
 
 def build_proposer(spec, vocab_size: int, cache_len: int, draft=None):
     """The proposer for a parsed speculative config. `draft` is the method's network (loaded, or
-    made by `target_drafter`)."""
+    made by `target_drafter`). `enable_suffix_decoding` puts suffix decoding beside it
+    (`CombinedProposer`)."""
     if spec.method not in BUILDERS:
         raise ValueError(f"speculative method {spec.method!r} has no proposer; built: {', '.join(BUILDERS)}")
-    return BUILDERS[spec.method](spec, spec.num_speculative_tokens, draft, vocab_size, cache_len)
+    proposer = BUILDERS[spec.method](spec, spec.num_speculative_tokens, draft, vocab_size, cache_len)
+    if spec.enable_suffix_decoding:  # suffix drafts up to the tree depth, the model drafter its own k
+        proposer = CombinedProposer(proposer, suffix_proposer(spec, spec.suffix_decoding_max_tree_depth))
+    return proposer
 
 
 def target_drafter(spec, model):

@@ -170,5 +170,10 @@ class EngineConfig:
 
     @property
     def k(self) -> int:
-        """Drafts per speculative step (0 without speculation)."""
-        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+        """Most drafts per speculative step (0 without speculation); suffix decoding combined with a
+        model drafter drafts up to the tree depth where the suffix wins."""
+        spec = self.speculative
+        if spec is None:
+            return 0
+        combined = spec.suffix_decoding_max_tree_depth if spec.enable_suffix_decoding else 0
+        return max(spec.num_speculative_tokens, combined)

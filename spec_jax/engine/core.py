@@ -35,7 +35,7 @@ from spec_jax.engine.prefix_cache import PrefixCache
 from spec_jax.engine.runner import Runner, bucket
 from spec_jax.engine.sampling import MAX_BAD_WORD_LENGTH, MAX_BAD_WORDS
 from spec_jax.engine.spec_config import SpeculativeConfig
-from spec_jax.engine.state import DecodeState, SpecPlan
+from spec_jax.engine.state import DecodeState, SpecPlan, shared_of, with_shared
 
 log = logging.getLogger("spec_jax")
 
@@ -67,7 +67,7 @@ def make_plan(config: EngineConfig, vocab_size: int, draft) -> SpecPlan | None:
         return None
     proposer = spec.proposer if spec.proposer is not None else build_proposer(spec, vocab_size, config.cache_len,
                                                                               draft)
-    k = spec.num_speculative_tokens
+    k = config.k
     return SpecPlan(proposer, k, config.rollback, spec.draft_sample_method == "probabilistic",
                     spec.rejection_sample_method, compiled_widths(k) if spec.enable_adaptive_verification else (k,))
 
@@ -150,6 +150,7 @@ class EngineCore:
         self.prefix_cache = self.new_store()
         self.step_times = {} if step_times is None else step_times
         self._grammars: GrammarRows | None = None  # made at the first constrained request
+        self.shared = []  # the proposer's `Shared` state, handed from one batch of `run_batch` to the next
 
     def grammar_rows(self) -> GrammarRows:
         """The host matchers of this core's constrained rows (made at first use, from the tokenizer)."""
@@ -161,8 +162,7 @@ class EngineCore:
             self._grammars = GrammarRows(text(), self.cfg.vocab_size, self.cfg.eos_token_id[0], **options)
         return self._grammars
 
-    def grammar_ids(self, state: DecodeState) -> list[int]:
-        """The grammar ids a state's rows hold (-1: none; empty when no row has a grammar), for `release`."""
+    def grammar_ids(self, state: DecodeState) -> list[int]:  # -1: none; empty when no row has one
         return [] if state.sampling.grammar is None else np.asarray(state.sampling.grammar).tolist()
 
     def grammar_failure(self, grammar_id: int) -> str | None:
@@ -227,8 +227,7 @@ class EngineCore:
                           tokenizer=self.tokenizer, name=self.name, requests=self.requests, step_times=self.step_times)
 
     def with_tokenizer(self, tokenizer) -> "EngineCore":
-        """This core's runner and plan (and so its programs), encoding and decoding with `tokenizer`;
-        a new prefix store."""
+        """This core's runner and plan (so its programs) with `tokenizer`; a new prefix store."""
         return EngineCore(self.model, self.config, self.runner, self.plan, tokenizer=tokenizer, name=self.name,
                           requests=self.requests, step_times=self.step_times)
 
@@ -245,8 +244,7 @@ class EngineCore:
                  stats["bytes_limit"] / 1e9, weights / 1e9, row * self.max_num_seqs / 1e9, self.max_num_seqs,
                  row / 1e9, self.max_model_len, store / 1e9)
 
-    def row_bytes(self) -> int:
-        """`row_bytes` of this core."""
+    def row_bytes(self) -> int:  # `row_bytes` of this core
         return row_bytes(self.runner, self.plan, self.config)
 
     # ------------------------------------------------------------------ requests to rows
@@ -422,12 +420,14 @@ class EngineCore:
         """One batch of rows to the end: each row's (CompletionOutput, metrics)."""
         t0 = time.perf_counter()
         state, do_sample, stops = self.start(ids, params)
+        state, self.shared = with_shared(state, self.shared), []  # the arrays go to the state, donated
         cached = self.prefix_cache.take_found() if self.prefix_cache is not None else [0] * len(ids)  # row order
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
         held = self.grammar_ids(state)
         try:
             state = self.decode(state, self.max_model_len, do_sample)
+            self.shared = shared_of(state)
             out_tokens, out_lengths, stats, steps, logprobs = jax.device_get(
                 (state.tokens, state.lengths, state.stats, state.steps, state.logprobs))
             failed = [(row, self.grammar_failure(i)) for row, i in enumerate(held) if self.grammar_failure(i)]

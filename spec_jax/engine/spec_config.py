@@ -29,14 +29,13 @@ MTP_ALIASES = ("deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm
                "gemma4_mtp", "inkling_mtp", "glm5_next_mtp")  # all fold into "mtp"
 # "ngram_gpu" is vLLM's prompt lookup run on the GPU, which is what "ngram" is here.
 METHOD_ALIASES = {**{a: "mtp" for a in MTP_ALIASES}, "[ngram]": "ngram", "ngram_gpu": "ngram"}
-IMPLEMENTED_METHODS = ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark")
+IMPLEMENTED_METHODS = ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "suffix")
 # vLLM's methods not built, each with what to use instead.
 INSTEAD = {
     "eagle": "EAGLE-1/2 heads (one layer over the target's last hidden state) are not loaded; use 'eagle3' with "
              "an EAGLE-3 head (Speculators layout), or 'mtp' with the target's own MTP head",
     "medusa": "Medusa heads are not loaded; use 'mtp' (the target's own MTP head) or 'eagle3'",
     "mlp_speculator": "MLP speculators are not loaded; use 'mtp' (the target's own MTP head) or 'eagle3'",
-    "suffix": "suffix-tree decoding is not built; use 'ngram' (prompt lookup on the device)",
     "custom_class": "no proposer class is imported from outside; give a proposer object as 'proposer' (a "
                     "Python dict only) or use one of the built-in methods",
     "extract_hidden_states": "it drafts nothing; hidden states are not exported",
@@ -68,7 +67,13 @@ class SpeculativeConfig:
     `prompt_lookup_min/max` (ngram window; both default to 5, one given copies to the other),
     `draft_sample_method`, `rejection_sample_method`, `synthetic_acceptance_rates` /
     `synthetic_acceptance_length`, our own `draft_vocab_size` and `proposer`, and
-    `enable_adaptive_verification`.
+    `enable_adaptive_verification`; for method suffix, the `suffix_decoding_*` fields
+    (`proposers.suffix`; k defaults to the tree depth, as in vLLM) and our own
+    `suffix_decoding_cache_tokens`: the token slots of the device ring that holds the outputs of
+    the last `suffix_decoding_max_cached_requests` finished requests (4 bytes each, twice).
+    `enable_suffix_decoding` (ArcticInference's name) on a model method (mtp, eagle3, dflash, dspark,
+    draft_model) runs suffix decoding beside its drafter, per row per step (`proposers.combined`):
+    the suffix draft (up to the tree depth) where it expects at least k tokens accepted.
     Every field after those is accepted for vLLM compatibility and ignored.
 
     `enable_adaptive_verification` (vLLM's name, but on unless set to false): each step verifies,
@@ -130,8 +135,10 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_cache_tokens: int = 32768  # ours, method suffix: token slots of the finished-output cache
     draft_load_config: dict | None = None
     enable_adaptive_verification: bool = True  # vLLM's field; on by default here (see the docstring)
+    enable_suffix_decoding: bool = False  # ArcticInference's field: suffix decoding beside a model drafter
     dspark_draft_topk: int | None = None
     speculative_token_tree: str | None = None  # older vLLM releases
     disable_by_batch_size: int | None = None  # older vLLM releases
@@ -150,6 +157,11 @@ class SpeculativeConfig:
         _check_choice("rejection_sample_method", self.rejection_sample_method, REJECTION_SAMPLE_METHODS)
         self._check_proposer()
         self._resolve_synthetic_rates()
+        if self.enable_suffix_decoding and self.method not in NEEDS_MODEL + ("mtp",):
+            raise ValueError(f"enable_suffix_decoding combines suffix decoding with a model drafter (mtp, "
+                             f"{', '.join(NEEDS_MODEL)}), not with method {self.method!r}")
+        if self.method == "suffix" or self.enable_suffix_decoding:
+            self._check_suffix()
         n = self.draft_vocab_size
         if n is not None and (self.method != "mtp" or n < 1):
             raise ValueError(f"draft_vocab_size={n}: it applies to method 'mtp' (a positive number of token ids); "
@@ -201,6 +213,16 @@ class SpeculativeConfig:
             raise ValueError(f"synthetic_acceptance_rates must be non-increasing, got {list(rates)}")
         object.__setattr__(self, "synthetic_acceptance_rates", tuple(float(r) for r in rates))
 
+    def _check_suffix(self) -> None:
+        """vLLM's ranges for the suffix_decoding_* fields, and ours for the cache's size."""
+        for name, ok, rule in (("max_tree_depth", self.suffix_decoding_max_tree_depth >= 1, ">= 1"),
+                               ("max_cached_requests", self.suffix_decoding_max_cached_requests >= 0, ">= 0"),
+                               ("max_spec_factor", self.suffix_decoding_max_spec_factor >= 0, ">= 0"),
+                               ("min_token_prob", 0 <= self.suffix_decoding_min_token_prob <= 1, "in [0, 1]"),
+                               ("cache_tokens", self.suffix_decoding_cache_tokens >= 2, ">= 2")):
+            if not ok:
+                raise ValueError(f"suffix_decoding_{name}={getattr(self, 'suffix_decoding_' + name)} must be {rule}")
+
     def same_step(self, other: "SpeculativeConfig") -> bool:
         """Whether `other` runs the same speculative step as this config: equal but for the
         synthetic acceptance rates, which reach the step as data, not as part of its program."""
@@ -232,7 +254,9 @@ class SpeculativeConfig:
 
 ACTED_FIELDS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
                 "draft_sample_method", "rejection_sample_method", "synthetic_acceptance_rates",
-                "synthetic_acceptance_length", "draft_vocab_size", "proposer", "enable_adaptive_verification")
+                "synthetic_acceptance_length", "draft_vocab_size", "proposer", "enable_adaptive_verification",
+                "enable_suffix_decoding")
+SUFFIX_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name.startswith("suffix_decoding_"))
 IGNORED_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.name not in ACTED_FIELDS)
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
 ACCEPTED_METHODS = (*VLLM_METHODS, *METHOD_ALIASES)
@@ -356,11 +380,13 @@ def _warn_unknown(raw: dict) -> None:
         warnings.warn(f"speculative_config: unknown fields {', '.join(unknown)} are ignored", stacklevel=3)
 
 
-def _warn_ignored(raw: dict) -> None:
-    """Warn about known vLLM fields given a value (other than the default) that we do not act on."""
+def _warn_ignored(raw: dict, method: str) -> None:
+    """Warn about known vLLM fields given a value (other than the default) that we do not act on
+    (the suffix_decoding_* fields are acted on by method suffix)."""
     defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+    acted = SUFFIX_FIELDS if method == "suffix" or raw.get("enable_suffix_decoding") else ()
     ignored = [key for key in raw if (key in VLLM_ENGINE_FIELDS and raw[key] is not None)
-               or (key in IGNORED_FIELDS and raw[key] != defaults[key])]
+               or (key in IGNORED_FIELDS and key not in acted and raw[key] != defaults[key])]
     if ignored:
         warnings.warn(f"speculative_config: vLLM fields {', '.join(ignored)} are accepted but ignored by spec_jax",
                       stacklevel=3)
@@ -431,6 +457,8 @@ def parse_speculative_config(spec: dict | str | None, *, target_model: str | Non
         fields["model"] = given or target_model
         if fields.get("num_speculative_tokens") is None:
             fields["num_speculative_tokens"] = MTP_N_PREDICT
+    if method == "suffix" and fields.get("num_speculative_tokens") is None:  # vLLM: the tree's depth, a maximum
+        fields["num_speculative_tokens"] = fields.get("suffix_decoding_max_tree_depth", 24)
     if fields.get("num_speculative_tokens") is None:
         raise ValueError(f"num_speculative_tokens is required for speculative method {method!r}")
     if method in NEEDS_MODEL and not fields.get("model"):
@@ -441,5 +469,5 @@ def parse_speculative_config(spec: dict | str | None, *, target_model: str | Non
                          f"implemented: {', '.join(IMPLEMENTED_REJECTION_SAMPLE_METHODS)}")
     if method == "mtp":
         _check_mtp_target(raw.get("method"), target_has_mtp, target_model_type)
-    _warn_ignored(raw)
+    _warn_ignored(raw, method)
     return config

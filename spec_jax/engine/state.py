@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from proposers import Proposer
+from proposers import Proposer, Shared
 from spec_jax.engine.sampling import EmittedLogprobs, RowSampling, TokenHistory
 
 # How a step accepts drafts: "standard" compares them with the target (exact); "synthetic" accepts
@@ -134,10 +134,13 @@ def insert_row(state: DecodeState, row: jax.Array, new: DecodeState) -> DecodeSt
     """Write the one-row state `new` (a batch-1 prefill) into row `row` [] int32 of the B-row
     `state`: tokens, lengths, sampling, every cache and the proposer's state; `steps` stays the
     batch's. A leaf's batch axis is the one where `new` has 1 and `state` has B (caches are
-    [G, B, ...], the rest [B, ...]); with B = 1 the row replaces the whole leaf."""
+    [G, B, ...], the rest [B, ...]); with B = 1 the row replaces the whole leaf. A proposer's
+    `Shared` state (no batch axis) stays the batch's."""
     B = state.done.shape[0]
 
     def put(old, one):
+        if isinstance(old, Shared):
+            return old
         if old.ndim == 0:
             return old
         axes = [i for i, (a, b) in enumerate(zip(old.shape, one.shape)) if a != b]
@@ -148,7 +151,26 @@ def insert_row(state: DecodeState, row: jax.Array, new: DecodeState) -> DecodeSt
                              f"expected the same shape with 1 in place of the batch size {B}")
         return jax.lax.dynamic_update_slice_in_dim(old, one, row, axes[0])
 
-    return jax.tree.map(put, state, new)
+    return jax.tree.map(put, state, new, is_leaf=is_shared)
+
+
+def is_shared(x) -> bool:
+    return isinstance(x, Shared)
+
+
+def shared_of(state: DecodeState) -> list[Shared]:
+    """The proposer's `Shared` state in `state`, in tree order (empty when it has none)."""
+    return [x for x in jax.tree.leaves(state.proposer, is_leaf=is_shared) if is_shared(x)]
+
+
+def with_shared(state: DecodeState, shared: list[Shared]) -> DecodeState:
+    """`state` with its proposer's `Shared` state replaced by `shared` (`shared_of` of an earlier
+    batch's state; empty: unchanged)."""
+    if not shared:
+        return state
+    given = iter(shared)
+    proposer = jax.tree.map(lambda x: next(given) if is_shared(x) else x, state.proposer, is_leaf=is_shared)
+    return dataclasses.replace(state, proposer=proposer)
 
 
 def with_processors(state: DecodeState, names: frozenset[str], num_logprobs: int | None,

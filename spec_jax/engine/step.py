@@ -216,8 +216,11 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, step_times: jax.Ar
     estimates = state.acceptance_estimates
     if plan.adaptive:
         estimates = jnp.where(live[:, None], update_estimates(estimates, n_draft, n_acc), estimates)
-    state = append_tokens(state, emitted, n_acc + 1, cache, raw)
-    return dataclasses.replace(state, proposer=pstate, stats=stats, steps=state.steps + 1,
+    after = append_tokens(state, emitted, n_acc + 1, cache, raw)
+    if hasattr(plan.proposer, "retire"):  # the rows that finished in this step
+        pstate = plan.proposer.retire(pstate, after.tokens, state.prompt_lengths, after.lengths,
+                                      after.done & ~state.done)
+    return dataclasses.replace(after, proposer=pstate, stats=stats, steps=state.steps + 1,
                                acceptance_estimates=estimates)
 
 

@@ -123,7 +123,7 @@ def test_all_thirteen_vllm_methods_are_known():
     assert len(VLLM_METHODS) == 13
     for method in VLLM_METHODS:
         assert canonical_method(method) == ("ngram" if method == "ngram_gpu" else method)
-    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark")
+    assert IMPLEMENTED_METHODS == ("ngram", "mtp", "draft_model", "eagle3", "dflash", "dspark", "suffix")
 
 
 def test_config_is_frozen_and_hashable():
