@@ -8,23 +8,26 @@ other has finished. Longest first keeps both workers busy until the short files 
 
 import pytest
 
-# Files of about a minute or more on two CPU cores (pytest --durations=0, empty compilation cache),
+# The files that take longest on two CPU cores (pytest --durations=0 summed per file, empty compilation cache),
 # slowest first. A file not listed still runs, after these, in xdist's order.
 SLOW_FILES = (
-    "tests/e2e/test_tensor_parallel.py",
     "tests/e2e/test_head_copies.py",
     "tests/proposers/test_sliding_drafters.py",
+    "tests/e2e/test_tensor_parallel.py",
     "tests/api/test_vllm_compat.py",
-    "tests/e2e/test_notebooks.py",
     "tests/engine/test_rejection.py",
-    "tests/engine/test_schema_corpus.py",
+    "tests/engine/test_structured.py",
     "tests/engine/test_batch_invariant.py",
     "tests/api/test_server.py",
-    "tests/engine/test_structured.py",
-    "tests/e2e/test_default_trained.py",
+    "tests/engine/test_schema_corpus.py",
+    "tests/e2e/test_notebooks.py",
     "tests/api/test_server_structured.py",
+    "tests/engine/test_speculative.py",
     "tests/api/test_agent_loop.py",
-    "tests/e2e/test_wheel.py",
+    "tests/engine/test_prefix_caching.py",
+    "tests/e2e/test_default_trained.py",
+    "tests/loading/test_random_drafters.py",
+    "tests/kernels/test_quant_matmul.py",
 )
 
 
