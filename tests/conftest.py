@@ -24,6 +24,9 @@ from helpers import DRAFT_GREEDY, TINY, drafter_prompts  # noqa: E402
 from spec_jax.engine.runner import enable_compilation_cache  # noqa: E402
 from spec_jax.writing.random_checkpoint import write_checkpoint  # noqa: E402
 
+# Under pytest-xdist the slowest test files are handed out first (see slow_files_first.py).
+pytest_plugins = ["slow_files_first"]
+
 # Every test shares the persistent compilation cache, not only those that build an LLM: a program
 # another test compiled is read back instead of compiled again.
 enable_compilation_cache()

@@ -1,8 +1,12 @@
 """What several test files share, besides fixtures (those are in conftest.py): paths, the tiny
-model's config, the drafter test configs and prompts, and the relative error every numeric check
-uses. Importable from any folder of tests/ (pytest puts tests/ on the path for its conftest.py)."""
+model's config, the drafter test configs and prompts, the relative error every numeric check uses,
+and running a test file on several CPU devices. Importable from any folder of tests/ (pytest puts
+tests/ on the path for its conftest.py)."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -67,3 +71,14 @@ def assert_greedy_equals_plain(llm, plain: list[list[int]]) -> None:
     params = [DRAFT_GREEDY, dataclasses.replace(DRAFT_GREEDY, speculative=False), DRAFT_GREEDY]
     mixed = llm.generate(prompt_token_ids=drafter_prompts(), sampling_params=params)
     assert [o.outputs[0].token_ids for o in mixed] == plain
+
+
+def run_on_cpu_devices(cases: Path, devices: int) -> None:
+    """Runs the pytest file `cases` in a process of its own with `devices` CPU devices (the device
+    count is fixed when JAX starts) and asserts that it passed, with the end of its output."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    # From the repository root: in tests/ the test folders proposers/ and models/ would shadow the packages
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]

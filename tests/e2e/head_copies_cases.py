@@ -1,7 +1,7 @@
 """Tensor parallelism past the head counts, on eight CPU devices: a checkpoint with two KV heads
 and two GDN key heads split over 2, 4 and 8 devices (4 and 8 copy each head, as vLLM replicates
 KV heads), dense and MoE, plain and with MTP, against the same checkpoint on one device. Run by
-test_tensor_parallel.py in a process started with XLA_FLAGS=--xla_force_host_platform_device_count=8.
+test_head_copies.py in a process started with XLA_FLAGS=--xla_force_host_platform_device_count=8.
 """
 
 import dataclasses

@@ -65,16 +65,16 @@ def test_context_cache_holds_the_committed_prefix(tiny_llm, dflash_dir):
     """After several steps, the drafter's context K/V equals what a fresh pass over the whole
     committed sequence gives (rejected positions were overwritten or are past the length)."""
     llm = tiny_llm.with_speculation(spec(dflash_dir))
-    # the state read below: one row
-    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)
+    # in the batch bucket the greedy test compiled: row 0 is the prompt, the others padding
+    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY])
     state = llm.engine.decode(state, 4, do_sample)
     n = int(state.lengths[0]) - 1  # committed positions
     model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
-    out = model(state.tokens[:, :n], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n])),
+    out = model(state.tokens[:1, :n], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n])),
                 init_cache(model.cfg, 1, n, jnp.float32), kv_len=n, taps=DRAFTER.target_layer_ids)
     k, v = draft.context_kv(out.taps, jnp.arange(n)[None])
-    (ctx,) = state.proposer  # one full-attention run
-    for got, want in ((ctx.k[:, :, :n], k), (ctx.v[:, :, :n], v)):
+    (ctx,) = state.proposer  # one full-attention run, K/V [layers, B, L, ...]
+    for got, want in ((ctx.k[:, :1, :n], k), (ctx.v[:, :1, :n], v)):
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
 
 

@@ -41,14 +41,14 @@ def test_drafts_stay_in_the_draft_vocabulary_and_state_follows_the_prefix(tiny_l
     d = write_eagle3_checkpoint(tmp_path / "e", HEAD, seed=3)
     allowed = set((np.arange(128) + load_file(str(d / "model.safetensors"))["d2t"]).tolist())
     llm = tiny_llm.with_speculation(spec(d))
-    state, do_sample, _ = llm.engine.start(prompts()[1:2], [GREEDY], rows=1)  # the state read below: one row
+    state, do_sample, _ = llm.engine.start(prompts()[1:2], [GREEDY])  # row 0 of the batch bucket is read below
     state = llm.engine.decode(state, 4, do_sample)
     model, head = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     next_draft = int(jnp.argmax(llm.engine.plan.proposer.next_logits(model, head, state.proposer)[0]))
     assert next_draft in allowed
     # a fresh pass of the head over the whole committed sequence drafts the same next token
     n = int(state.lengths[0])
-    seq = state.tokens[:, :n]
+    seq = state.tokens[:1, :n]
     out = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
                 init_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1, taps=HEAD.target_layer_ids)
     logits, pre, _ = head(head.embed(seq[:, 1:], model.embed), head.fc(out.taps),

@@ -226,14 +226,16 @@ def test_engine_state_matches_the_reference_and_greedy_equals_plain(block_case, 
     k = 4 if method == "dspark" else 3
     llm = tiny_llm.with_speculation(drafter_spec(method, d, k))
     assert_greedy_equals_plain(llm, plain_greedy)
-    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)
+    # In the batch bucket the greedy runs above compiled (row 0 is the prompt; the others are padding)
+    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY])
     state = llm.engine.decode(state, 6, do_sample)
     c = int(state.lengths[0]) - 1  # committed positions with features
     model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
-    out = model(state.tokens[:, :c], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([c])),
+    out = model(state.tokens[:1, :c], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([c])),
                 init_cache(model.cfg, 1, c, jnp.float32), kv_len=c, taps=draft.cfg.target_layer_ids)
     x = model.embed(jnp.full((1, 4), 510, jnp.int32).at[0, 0].set(state.tokens[0, c]))
-    got = draft.block(x, c + jnp.arange(4)[None], state.proposer, jnp.asarray([c]))[0]
+    row0 = jax.tree.map(lambda a: a[:, :1], state.proposer)  # each layer's K/V [layers, B, ...] at row 0
+    got = draft.block(x, c + jnp.arange(4)[None], row0, jnp.asarray([c]))[0]
     want = block_reference(load_file(str(d / "model.safetensors")), masks, np.asarray(out.taps[0]), np.asarray(x[0]))
     assert relative_error(got, want) < 1e-4
 
@@ -363,11 +365,11 @@ def test_sliding_head_resolves_and_its_ring_matches_the_reference(head_dir):
 def test_sliding_head_engine_state_matches_the_reference_and_greedy_equals_plain(head_dir, tiny_llm, plain_greedy):
     llm = tiny_llm.with_speculation(drafter_spec("eagle3", head_dir, 3))
     assert_greedy_equals_plain(llm, plain_greedy)
-    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)
+    state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY])  # row 0 of the bucket above
     state = llm.engine.decode(state, 6, do_sample)
     n = int(state.lengths[0])
     model, head = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
-    seq = state.tokens[:, :n]
+    seq = state.tokens[:1, :n]
     out = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
                 init_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1, taps=HEAD.target_layer_ids)
     want = head_reference(load_file(str(head_dir / "model.safetensors")), 4, np.asarray(model.embed(seq[:, 1:])[0]),
