@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.dflash import DFlashConfig
-from models.qwen3_5 import Qwen3_5Config
+from models.layers import Batch
+from models.qwen3_5 import Qwen3_5Config, init_cache
+from pallas_kernels.batch_invariant import batch_invariant
 from spec_jax import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
@@ -82,3 +85,42 @@ def run_on_cpu_devices(cases: Path, devices: int) -> None:
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+
+
+def check_logits_do_not_depend_on_the_pass(model, others: int, cache_len: int) -> None:
+    """Batch-invariant mode: positions 20..29 of one sequence decoded one token at a time, verified
+    four at a time (a replay rollback committing two), prefilled whole beside `others` other rows,
+    and resumed as a block from position 20 give the same logits, bit for bit."""
+    rng = np.random.default_rng(0)
+    seq, rest = rng.integers(0, 500, 30), rng.integers(0, 500, (others, 30))
+    with batch_invariant(8):
+        def forward(tokens, start, n, cache, keep):
+            out = model(tokens, Batch(start, n), cache, kv_len=cache_len,
+                        rollback=None if keep is None else "replay")
+            cache = out.cache if keep is None else model.commit(out.cache, out.pending, keep)
+            return model.logits(out.hidden), cache
+
+        run = jax.jit(forward)
+        empty = init_cache(model.cfg, 1, cache_len, model.dtype)
+        one = lambda t: jnp.asarray(t, jnp.int32)  # noqa: E731
+        logits, after_20 = run(one(seq[None, :20]), one([0]), one([20]), empty, None)
+        decoded, cache = [logits[0, 19]], after_20
+        for t in range(20, 29):
+            logits, cache = run(one(seq[None, t:t + 1]), one([t]), one([1]), cache, None)
+            decoded.append(logits[0, 0])
+        decoded = np.stack(decoded)  # logits at positions 19..28
+
+        verified, committed = run(one(seq[None, 20:24]), one([20]), one([4]), after_20, one([2]))
+        np.testing.assert_array_equal(np.asarray(verified[0]), decoded[1:5])
+        after_commit, _ = run(one(seq[None, 22:23]), one([22]), one([1]), committed, None)
+        np.testing.assert_array_equal(np.asarray(after_commit[0, 0]), decoded[3])
+
+        rows = others + 1
+        batch, _ = run(one(np.concatenate([seq[None], rest])), one([0] * rows), one([30] * rows),
+                       init_cache(model.cfg, rows, cache_len, model.dtype), None)
+        np.testing.assert_array_equal(np.asarray(batch[0, 19:29]), decoded)
+
+        block = np.zeros((1, 64), np.int32)
+        block[0, :10] = seq[20:30]
+        resumed, _ = run(one(block), one([20]), one([10]), after_20, None)
+        np.testing.assert_array_equal(np.asarray(resumed[0, :9]), decoded[1:])

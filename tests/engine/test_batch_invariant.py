@@ -8,10 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import drafter_prompts
+from helpers import check_logits_do_not_depend_on_the_pass, drafter_prompts
 
-from models.layers import Batch
-from models.qwen3_5 import init_cache
 from pallas_kernels.batch_invariant import batch_invariant, row_tiled
 from spec_jax import LLM, SamplingParams
 from spec_jax.api.cli import build_parser
@@ -31,38 +29,7 @@ def test_a_tokens_logits_do_not_depend_on_its_pass(invariant_llm):
     """Positions 20..29 of one sequence: decoded one token at a time, verified four at a time
     (with a replay rollback committing two), prefilled whole beside two other rows, and resumed
     as a block from position 20: the same float32 logits, bit for bit."""
-    model = invariant_llm.model
-    rng = np.random.default_rng(0)
-    seq, others = rng.integers(0, 500, 30), rng.integers(0, 500, (2, 30))
-    with batch_invariant(8):
-        def forward(tokens, start, n, cache, keep):
-            out = model(tokens, Batch(start, n), cache, kv_len=L, rollback=None if keep is None else "replay")
-            cache = out.cache if keep is None else model.commit(out.cache, out.pending, keep)
-            return model.logits(out.hidden), cache
-
-        run = jax.jit(forward)
-        empty = init_cache(model.cfg, 1, L, model.dtype)
-        one = lambda t: jnp.asarray(t, jnp.int32)  # noqa: E731
-        logits, after_20 = run(one(seq[None, :20]), one([0]), one([20]), empty, None)
-        decoded, cache = [logits[0, 19]], after_20
-        for t in range(20, 29):
-            logits, cache = run(one(seq[None, t:t + 1]), one([t]), one([1]), cache, None)
-            decoded.append(logits[0, 0])
-        decoded = np.stack(decoded)  # logits at positions 19..28
-
-        verified, committed = run(one(seq[None, 20:24]), one([20]), one([4]), after_20, one([2]))
-        np.testing.assert_array_equal(np.asarray(verified[0]), decoded[1:5])
-        after_commit, _ = run(one(seq[None, 22:23]), one([22]), one([1]), committed, None)
-        np.testing.assert_array_equal(np.asarray(after_commit[0, 0]), decoded[3])
-
-        batch, _ = run(one(np.concatenate([seq[None], others])[:, :30]), one([0, 0, 0]), one([30, 30, 30]),
-                       init_cache(model.cfg, 3, L, model.dtype), None)
-        np.testing.assert_array_equal(np.asarray(batch[0, 19:29]), decoded)
-
-        block = np.zeros((1, 64), np.int32)
-        block[0, :10] = seq[20:30]
-        resumed, _ = run(one(block), one([20]), one([10]), after_20, None)
-        np.testing.assert_array_equal(np.asarray(resumed[0, :9]), decoded[1:])
+    check_logits_do_not_depend_on_the_pass(invariant_llm.model, others=2, cache_len=L)
 
 
 @pytest.fixture(scope="module")

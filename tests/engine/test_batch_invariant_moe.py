@@ -12,13 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import TINY, relative_error
+from helpers import TINY, check_logits_do_not_depend_on_the_pass, relative_error
 
 from bench.oracle import KnownSequences, oracle_config
 from bench.scale import always_drafting
-from models.layers import Batch
 from models.moe import route
-from models.qwen3_5 import init_cache
 from pallas_kernels.batch_invariant import batch_invariant
 from pallas_kernels.expert_matmul import GEMV_MAX_PAIRS, expert_swiglu, expert_swiglu_invariant, expert_swiglu_reference
 from spec_jax import LLM, SamplingParams
@@ -53,38 +51,7 @@ def test_a_tokens_logits_do_not_depend_on_its_pass(invariant_moe):
     """Positions 20..29 of one sequence: decoded one token at a time, verified four at a time
     (a replay rollback committing two), prefilled whole beside three other rows, and resumed as a
     block from position 20: the same float32 logits, bit for bit."""
-    model = invariant_moe.model
-    rng = np.random.default_rng(0)
-    seq, others = rng.integers(0, 500, 30), rng.integers(0, 500, (3, 30))
-    with batch_invariant(8):
-        def forward(tokens, start, n, cache, keep):
-            out = model(tokens, Batch(start, n), cache, kv_len=L, rollback=None if keep is None else "replay")
-            cache = out.cache if keep is None else model.commit(out.cache, out.pending, keep)
-            return model.logits(out.hidden), cache
-
-        run = jax.jit(forward)
-        empty = init_cache(model.cfg, 1, L, model.dtype)
-        one = lambda t: jnp.asarray(t, jnp.int32)  # noqa: E731
-        logits, after_20 = run(one(seq[None, :20]), one([0]), one([20]), empty, None)
-        decoded, cache = [logits[0, 19]], after_20
-        for t in range(20, 29):
-            logits, cache = run(one(seq[None, t:t + 1]), one([t]), one([1]), cache, None)
-            decoded.append(logits[0, 0])
-        decoded = np.stack(decoded)  # logits at positions 19..28
-
-        verified, committed = run(one(seq[None, 20:24]), one([20]), one([4]), after_20, one([2]))
-        np.testing.assert_array_equal(np.asarray(verified[0]), decoded[1:5])
-        after_commit, _ = run(one(seq[None, 22:23]), one([22]), one([1]), committed, None)
-        np.testing.assert_array_equal(np.asarray(after_commit[0, 0]), decoded[3])
-
-        batch, _ = run(one(np.concatenate([seq[None], others])), one([0] * 4), one([30] * 4),
-                       init_cache(model.cfg, 4, L, model.dtype), None)
-        np.testing.assert_array_equal(np.asarray(batch[0, 19:29]), decoded)
-
-        block = np.zeros((1, 64), np.int32)
-        block[0, :10] = seq[20:30]
-        resumed, _ = run(one(block), one([20]), one([10]), after_20, None)
-        np.testing.assert_array_equal(np.asarray(resumed[0, :9]), decoded[1:])
+    check_logits_do_not_depend_on_the_pass(invariant_moe.model, others=3, cache_len=L)
 
 
 def moe_prompts() -> list[list[int]]:
