@@ -36,8 +36,8 @@ class Proposer(Protocol):
     """What the engine's speculative step calls (see above for shapes). Optional attributes:
     `taps` (target layers whose outputs `ForwardOut.taps` carries), `may_not_draft` (a step
     can come up with no draft in any row, so the step compiles a one-token branch too),
-    `shorter_drafts` (the same proposer with a smaller k drafts the first k of this one's drafts
-    from the same state, so a step that verifies fewer drafts drafts only those), `must_propose`
+    `with_drafts(n) -> Proposer` (the proposer that drafts only the first n of this one's drafts,
+    from the same state, so a step that verifies fewer drafts pays only for those), `must_propose`
     (its state advances in `propose`, so even a step that verifies no draft proposes) and
     `retire(state, tokens [B, L], prompt_lengths [B], lengths [B], finished [B]) -> state` (the
     step calls it with the rows that finished in it: the suffix method caches their outputs)."""

@@ -41,7 +41,9 @@ class ChainedHeadProposer(abc.ABC):
     """k drafts a step. A method supplies its head through the five hooks below."""
 
     k: int
-    shorter_drafts = True  # the chain's first j drafts do not depend on how far it goes
+
+    def with_drafts(self, n: int) -> ChainedHeadProposer:
+        return dataclasses.replace(self, k=n)  # the chain's first n drafts do not depend on how far it goes
 
     @abc.abstractmethod
     def init_cache(self, model, draft, batch: int, max_len: int) -> KVCache:

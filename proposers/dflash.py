@@ -24,7 +24,8 @@ from models.qwen3_5 import ForwardOut
 @dataclasses.dataclass(frozen=True)
 class DFlashProposer:
     """k = block_size - 1 drafts; taps: the target layers the drafter reads; mask_token_id;
-    scales from the drafter's config."""
+    scales from the drafter's config; scored: how many of the block's drafts (the first) are
+    scored and chosen (None: all k)."""
 
     k: int
     taps: tuple[int, ...]
@@ -32,6 +33,17 @@ class DFlashProposer:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    scored: int | None = None
+
+    @property
+    def n_drafts(self) -> int:
+        return self.k if self.scored is None else self.scored
+
+    def with_drafts(self, n: int) -> DFlashProposer:
+        """The block stays k + 1 long (its queries attend to each other), so the first n drafts
+        are the full block's; only their logits are computed (the vocabulary projection is most
+        of a wide batch's drafting)."""
+        return dataclasses.replace(self, scored=n)
 
     def scaled_logits(self, logits):
         """The drafter's output multiplier and soft cap on its draft-vocabulary logits (before the
@@ -57,10 +69,11 @@ class DFlashProposer:
         positions = lengths[:, None] - 1 + jnp.arange(self.k + 1)[None, :]
         x = model.embed(block) * self.input_embedding_scale
         h = draft.block(x, positions, cache, lengths - 1)  # the context is every committed position
-        logits = draft.to_target_vocab(self.draft_logits(model, draft, h[:, 1:]))
-        picks = [choose(logits[:, j], lengths + j) for j in range(self.k)]
+        n = self.n_drafts
+        logits = draft.to_target_vocab(self.draft_logits(model, draft, h[:, 1 : 1 + n]))
+        picks = [choose(logits[:, j], lengths + j) for j in range(n)]
         q = None if picks[0][1] is None else jnp.stack([p[1] for p in picks], axis=1)
-        return jnp.stack([p[0] for p in picks], axis=1), jnp.full_like(lengths, self.k), q, cache
+        return jnp.stack([p[0] for p in picks], axis=1), jnp.full_like(lengths, n), q, cache
 
     def update(self, model, draft, cache: tuple[KVCache, ...], target: ForwardOut, emitted, n_acc, lengths,
                choose) -> tuple[KVCache, ...]:

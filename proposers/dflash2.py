@@ -24,7 +24,8 @@ class DFlash2Proposer(DFlashProposer):
         newest = tokens[jnp.arange(B), lengths - 1]
         block = jnp.concatenate([newest[:, None], jnp.full((B, self.k), self.mask_token_id, jnp.int32)], axis=1)
         positions = lengths[:, None] - 1 + jnp.arange(self.k + 1)[None, :]
-        h = draft.block(model.embed(block) * self.input_embedding_scale, positions, cache, lengths - 1)[:, 1:]
+        n = self.n_drafts
+        h = draft.block(model.embed(block) * self.input_embedding_scale, positions, cache, lengths - 1)[:, 1 : 1 + n]
         selector = draft.candidate_selector
         unary, cand = selector.candidates(self.draft_logits(model, draft, h))  # [B, k, top_k]
         projected = selector.hidden_projection(h)
@@ -37,7 +38,7 @@ class DFlash2Proposer(DFlashProposer):
             token, q = choose(full, lengths + j)
             return token, (token, q)
 
-        xs = (jnp.arange(self.k), *(jnp.moveaxis(a, 1, 0) for a in (projected, unary, cand)))
+        xs = (jnp.arange(n), *(jnp.moveaxis(a, 1, 0) for a in (projected, unary, cand)))
         _, (drafts, q) = jax.lax.scan(position, newest, xs)
         q = None if q is None else jnp.moveaxis(q, 0, 1)
-        return jnp.moveaxis(drafts, 0, 1), jnp.full_like(lengths, self.k), q, cache
+        return jnp.moveaxis(drafts, 0, 1), jnp.full_like(lengths, n), q, cache

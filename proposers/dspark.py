@@ -33,13 +33,14 @@ class DSparkProposer(DFlashProposer):
         block = jnp.concatenate([newest[:, None], jnp.full((B, queries - 1), self.mask_token_id, jnp.int32)], axis=1)
         positions = lengths[:, None] - 1 + jnp.arange(queries)[None, :]
         h = draft.block(model.embed(block) * self.input_embedding_scale, positions, cache, lengths - 1)
-        base = self.draft_logits(model, draft, h if self.sample_from_anchor else h[:, 1:])  # [B, k, Vd]
+        n, first = self.n_drafts, 0 if self.sample_from_anchor else 1
+        base = self.draft_logits(model, draft, h[:, first : first + n])  # [B, n, Vd]
 
         def position(prev, xs):
             j, logits = xs
             token, q = choose(draft.to_target_vocab(logits + draft.markov_head(prev)), lengths + j)
             return token, (token, q)
 
-        _, (drafts, q) = jax.lax.scan(position, newest, (jnp.arange(self.k), jnp.moveaxis(base, 1, 0)))
+        _, (drafts, q) = jax.lax.scan(position, newest, (jnp.arange(n), jnp.moveaxis(base, 1, 0)))
         q = None if q is None else jnp.moveaxis(q, 0, 1)
-        return jnp.moveaxis(drafts, 0, 1), jnp.full_like(lengths, self.k), q, cache
+        return jnp.moveaxis(drafts, 0, 1), jnp.full_like(lengths, n), q, cache

@@ -11,6 +11,8 @@ ends at p equals the row's suffix iff tokens[p - j] == tokens[len - 1 - j] for e
 so the length-n match mask is the length-(n-1) mask AND one more shifted comparison.
 """
 
+from __future__ import annotations
+
 import dataclasses
 
 import jax
@@ -74,7 +76,9 @@ class NgramProposer:
     n_min: int
     n_max: int
     may_not_draft = True  # a step can find no match in any row: the engine then skips the verify
-    shorter_drafts = True  # k only cuts the tokens copied after the match
+
+    def with_drafts(self, n: int) -> NgramProposer:
+        return dataclasses.replace(self, k=n)  # k only cuts the tokens copied after the match
 
     def init_state(self, model, draft, tokens, lengths, target, choose):
         return ()

@@ -242,7 +242,7 @@ def step_at_width(model: Qwen3_5Model, draft, state: DecodeState, limit, *, plan
     [B, k+1, V] (None unless logprobs are kept).
 
     Width 0 is a plain decode step that drafts nothing (unless the proposer's state needs every
-    step's `propose`: `must_propose`). A proposer with `shorter_drafts` drafts only `width`
+    step's `propose`: `must_propose`). A proposer with `with_drafts` drafts only `width`
     tokens; the others draft k and the first `width` are verified. For proposers that can come up
     empty (`may_not_draft`: ngram), a step where no row has a draft runs the one-token pass instead
     of the verify; other methods always draft, and compile only the verify.
@@ -251,8 +251,8 @@ def step_at_width(model: Qwen3_5Model, draft, state: DecodeState, limit, *, plan
     k, rows, live = plan.k, jnp.arange(B), ~state.done
     choose = drafting_policy(state.sampling, probabilistic=plan.probabilistic, do_sample=do_sample)
     proposer = plan.proposer
-    if 0 < width < k and getattr(proposer, "shorter_drafts", False):
-        proposer = dataclasses.replace(proposer, k=width)
+    if 0 < width < k and hasattr(proposer, "with_drafts"):
+        proposer = proposer.with_drafts(width)
     if width == 0 and not getattr(proposer, "must_propose", False):
         drafts, n_draft, q, pstate = jnp.zeros((B, 0), jnp.int32), jnp.zeros_like(limit), None, state.proposer
     else:

@@ -78,6 +78,22 @@ def test_context_cache_holds_the_committed_prefix(tiny_llm, dflash_dir):
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
 
 
+def test_fewer_drafts_are_the_full_blocks_first(tiny_llm, dflash_dir):
+    """A step that verifies n < k drafts scores only the first n positions of the same block."""
+    llm = tiny_llm.with_speculation(spec(dflash_dir))
+    state, _, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)
+    model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
+    proposer = llm.engine.plan.proposer
+    def choose(logits, pos):
+        return jnp.argmax(logits, -1).astype(jnp.int32), None
+    full, n_full, _, _ = proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)
+    for n in (1, 2):
+        fewer, n_fewer, _, _ = proposer.with_drafts(n).propose(model, draft, state.proposer, state.tokens,
+                                                               state.lengths, choose)
+        assert fewer.shape == (1, n) and int(n_fewer[0]) == n and int(n_full[0]) == 3
+        np.testing.assert_array_equal(np.asarray(fewer), np.asarray(full[:, :n]))
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(hidden_size=32, num_attention_heads=2), "hidden_size 32 but the target has 64"),
     (dict(target_layer_ids=(1, 8)), "taps target layer 8, but the target has layers 0..7"),

@@ -69,6 +69,9 @@ def test_the_markov_chain_matches_a_step_by_step_reference(tiny_llm, dspark_dir)
         prev = int(np.argmax(base[j] + w2 @ w1[prev]))
         want.append(prev)
     assert np.asarray(drafts[0]).tolist() == want and int(n[0]) == 4
+    fewer, n_fewer, _, _ = proposer.with_drafts(2).propose(model, draft, state.proposer, state.tokens, state.lengths,
+                                                           choose)
+    assert np.asarray(fewer[0]).tolist() == want[:2] and int(n_fewer[0]) == 2  # the same block's first drafts
     # the Markov bias matters: without it the drafts differ
     assert np.argmax(base, -1).tolist() != want
 
