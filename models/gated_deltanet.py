@@ -20,7 +20,7 @@ from models.layers import Batch, Linear, project, split_channels, zeros_param
 from pallas_kernels.batch_invariant import elementwise, invariant_rows
 from pallas_kernels.gdn_chunked import CHUNK, gdn_chunked
 from pallas_kernels.gdn_decode import gdn_decode_pallas, use_decode_kernel
-from pallas_kernels.gdn_recurrent import gdn_recurrent
+from pallas_kernels.gdn_recurrent import gdn_recurrent, gdn_verify
 from pallas_kernels.rms_norm import rms_norm
 
 
@@ -113,19 +113,18 @@ class GatedDeltaNet(nnx.Module):
                                           num_k_heads=cfg.linear_num_key_heads)
             o = o[:, None]
         else:
-            state = jax.lax.dynamic_index_in_dim(cache.state, g, keepdims=False)
-            o, state, pending = self.delta_rule(seq, b, a, valid, state, rollback)
-            states = jax.lax.dynamic_update_index_in_dim(cache.state, state, g, 0)
+            o, states, pending = self.delta_rule(seq, b, a, valid, cache.state, g, rollback)
         if rollback is None:
             cache = GDNCache(jax.lax.dynamic_update_index_in_dim(cache.conv, conv_window(seq, batch.n_valid, K), g, 0),
                              states)
         o = self.norm(o, z.reshape(B, T, nv, dv), x.dtype).reshape(B, T, nv * dv)
         return self.out_proj(o), cache, pending
 
-    def delta_rule(self, seq, b, a, valid, state, rollback):
+    def delta_rule(self, seq, b, a, valid, states, g, rollback):
         """The convolution, gates and gated delta rule as separate XLA ops and kernels (what the
         fused decode kernel computes in one): seq [B, K-1+T, C], b, a [B, T, nv], valid [B, T],
-        state [B, nv, dk, dv] -> (o [B, T, nv, dv], the state after the pass, pending)."""
+        from repeat g of states [G, B, nv, dk, dv] -> (o [B, T, nv, dv], the states with repeat g's
+        after the pass (as they were under a rollback), pending)."""
         cfg = self.cfg
         B, T = valid.shape
         nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -140,14 +139,15 @@ class GatedDeltaNet(nnx.Module):
                                                                                  self.dt_bias[...]), a, lead=2)
         beta, decay = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], decay, 0.0)
         if rollback == "checkpoint":
-            o, _, states = gdn_recurrent(q, k, v, decay, beta, state, keep_states=True)
-            return o, state, GDNPending(seq, states=states)
+            o, per_token = gdn_verify(q, k, v, decay, beta, states, g, keep_states=True)
+            return o, states, GDNPending(seq, states=per_token)
         if rollback == "replay":
-            o, _ = gdn_recurrent(q, k, v, decay, beta, state)
-            return o, state, GDNPending(seq, k=k, v=v, decay=decay, beta=beta)
+            (o,) = gdn_verify(q, k, v, decay, beta, states, g)
+            return o, states, GDNPending(seq, k=k, v=v, decay=decay, beta=beta)
         # o comes back in v's dtype (chunked, as HF's) or float32 (recurrent); the norm reads float32
         rule = gdn_chunked if T >= CHUNK and invariant_rows() is None else gdn_recurrent
-        return (*rule(q, k, v, decay, beta, state), None)
+        o, state = rule(q, k, v, decay, beta, jax.lax.dynamic_index_in_dim(states, g, keepdims=False))
+        return o, jax.lax.dynamic_update_index_in_dim(states, state, g, 0), None
 
 
 def conv_window(seq: jax.Array, n_used: jax.Array, K: int) -> jax.Array:

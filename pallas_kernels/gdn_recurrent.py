@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.batch_invariant import invariant_rows
 from pallas_kernels.gdn_common import L2_EPS, prepare_qk
@@ -73,9 +74,18 @@ def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = Fals
     return o, final
 
 
-def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, s_ref, *states_ref, T: int):
-    """One (row, value head, value block): q/k [Tp, dk], v [Tp, BV], g/beta [Tp], state [dk, BV]."""
-    s = s0_ref[...].astype(jnp.float32)
+def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, repeat_ref, s0_ref, o_ref, *out_refs, T: int, nv: int,
+                      stacked: bool, final_state: bool):
+    """One (row, value head, value block): q/k [Tp, dk], v [Tp, BV], g/beta [Tp], state [dk, BV]
+    (stacked: the whole [G, B, nv, dk, dv] buffer, of which it reads the tile of repeat_ref[0]).
+    out_refs: the final state's tile (final_state), then the per-token states [Tp, dk, BV]."""
+    if stacked:
+        bh, iv = pl.program_id(0), pl.program_id(1)
+        bv = o_ref.shape[-1]
+        s = s0_ref[repeat_ref[0], bh // nv, bh % nv, :, pl.ds(iv * bv, bv)]
+    else:
+        s = s0_ref[...].astype(jnp.float32)
+    states_ref = out_refs[1:] if final_state else out_refs
     scale = q_ref.shape[-1] ** -0.5
     for t in range(T):  # T is small and static: unrolled
         q_t = q_ref[t, :].astype(jnp.float32)
@@ -88,25 +98,31 @@ def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s0_ref, o_ref, s_ref
         o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)
         if states_ref:
             states_ref[0][t, :, :] = s
-    s_ref[...] = s
+    if final_state:
+        out_refs[0][...] = s
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("keep_states", "block_v", "interpret"))
-def gdn_recurrent_pallas(q, k, v, g, beta, state, *, keep_states: bool = False, block_v: int = 32,
-                         interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("keep_states", "final_state", "block_v", "interpret"))
+def gdn_recurrent_pallas(q, k, v, g, beta, state, repeat=None, *, keep_states: bool = False, final_state: bool = True,
+                         block_v: int = 32, interpret: bool = False):
     """The Pallas kernel; same arguments and results as `gdn_recurrent_reference`. The final state
     is written over the state operand (aliased): where the caller no longer needs the old state (a
-    commit's replay) no copy of it is made; where it does, XLA copies it first.
+    commit's replay) no copy of it is made; where it does, XLA copies it first. A verify pass that
+    discards the final state (final_state=False) reads repeat `repeat`'s tiles of the stacked
+    states [G, B, nv, dk, dv] in place, so no slice of them is copied out.
 
     dk and block_v must be powers of two and block_v must divide dv (Triton's block rule); T is
     padded to a power of two with g = beta = 0 tokens, which leave the state unchanged.
     """
     B, T, nk, dk = q.shape
     nv, dv = v.shape[2], v.shape[3]
+    stacked = repeat is not None
+    if stacked and final_state:
+        raise ValueError("gdn_recurrent_pallas reads a stacked state in place only when the final state is discarded")
     r, Tp = nv // nk, next_pow2(T)
     def pad(x):
         return jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
@@ -119,26 +135,32 @@ def gdn_recurrent_pallas(q, k, v, g, beta, state, *, keep_states: bool = False, 
     by_value = pl.BlockSpec((None, None, Tp, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
     by_head = pl.BlockSpec((None, None, Tp), lambda bh, iv: (bh // nv, bh % nv, 0))
     by_state = pl.BlockSpec((None, None, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, iv))
-    out_shape = [jax.ShapeDtypeStruct((B, nv, Tp, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)]
-    out_specs = [by_value, by_state]
+    whole = lambda shape: pl.BlockSpec(shape, lambda bh, iv: (0,) * len(shape))  # noqa: E731  (indexed in-kernel)
+    out_shape, out_specs = [jax.ShapeDtypeStruct((B, nv, Tp, dv), jnp.float32)], [by_value]
+    if final_state:
+        out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
+        out_specs.append(by_state)
     if keep_states:
         out_shape.append(jax.ShapeDtypeStruct((B, nv, Tp, dk, dv), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, Tp, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, 0, iv)))
+    repeat = jnp.asarray(0 if repeat is None else repeat, jnp.int32).reshape(1)
     outs = pl.pallas_call(
-        functools.partial(_recurrent_kernel, T=T),
+        functools.partial(_recurrent_kernel, T=T, nv=nv, stacked=stacked, final_state=final_state),
         out_shape=out_shape,
         grid=grid,
-        in_specs=[by_key_head, by_key_head, by_value, by_head, by_head, by_state],
+        in_specs=[by_key_head, by_key_head, by_value, by_head, by_head, whole((1,)),
+                  whole(state.shape) if stacked else by_state],
         out_specs=out_specs,
-        input_output_aliases={5: 1},
+        input_output_aliases={6: 1} if final_state else {},
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="gdn_recurrent",
-    )(q, k, v, g, beta, state.astype(jnp.float32))
+    )(q, k, v, g, beta, repeat, state.astype(jnp.float32))
     o = jnp.moveaxis(outs[0], 1, 2)[:, :T]
+    final = outs[1] if final_state else None
     if keep_states:
-        return o, outs[1], jnp.moveaxis(outs[2], 1, 2)[:, :T]
-    return o, outs[1]
+        return o, final, jnp.moveaxis(outs[-1], 1, 2)[:, :T]
+    return o, final
 
 
 def kernel_fits(q, v) -> bool:
@@ -170,6 +192,33 @@ def gdn_recurrent(q, k, v, g, beta, state, *, keep_states: bool = False):
     return per_device(local, (heads, heads, heads, gates, gates, state_spec), out_specs)(q, k, v, g, beta, state)
 
 
+def gdn_verify(q, k, v, g, beta, states, repeat, *, keep_states: bool = False):
+    """A verify pass from repeat `repeat` (int32 scalar) of the stacked states [G, B, nv, dk, dv],
+    which it leaves as they are (the caller commits a prefix of it later); the other arguments as
+    `gdn_recurrent`'s. Returns (o [B, T, nv, dv] float32,) and, with keep_states, the per-token
+    states [B, T, nv, dk, dv]. Where the kernel runs it reads the repeat's tiles in place: at
+    batch 32 a copy of each layer's state out of the stack costs as much as the pass reading it."""
+    heads, gates = on_axis(4, 2), on_axis(3, 2)
+    out_specs = (heads,) + ((on_axis(5, 2),) if keep_states else ())
+    local = functools.partial(_gdn_verify_local, keep_states=keep_states)
+    return per_device(local, (heads, heads, heads, gates, gates, on_axis(5, 2), P()), out_specs)(
+        q, k, v, g, beta, states, jnp.asarray(repeat, jnp.int32))
+
+
+def _gdn_verify_local(q, k, v, g, beta, states, repeat, *, keep_states: bool):
+    if not keep_states and _kernel_wins(q, v, states[0]):
+        return (gdn_recurrent_pallas(q, k, v, g, beta, states, repeat, final_state=False)[0],)
+    out = _gdn_recurrent_local(q, k, v, g, beta, jax.lax.dynamic_index_in_dim(states, repeat, keepdims=False),
+                               keep_states=keep_states)
+    return (out[0], out[2]) if keep_states else (out[0],)
+
+
+def _kernel_wins(q, v, state) -> bool:
+    """Whether a pass that keeps no per-token states runs the kernel (outside batch-invariant mode)."""
+    long_or_wide = q.shape[1] >= KERNEL_MIN_TOKENS or 4 * state.size >= KERNEL_MIN_STATE_BYTES
+    return jax.default_backend() == "gpu" and invariant_rows() is None and long_or_wide and kernel_fits(q, v)
+
+
 def gdn_recurrent_fixed_order(q, k, v, g, beta, state, *, keep_states: bool = False, interpret: bool = False):
     """The kernel over passes of any length, in chunks of MAX_UNROLL tokens (the last padded with
     g = beta = 0 tokens, which leave the state as it is): batch-invariant mode on a GPU. The kernel
@@ -199,7 +248,6 @@ def _gdn_recurrent_local(q, k, v, g, beta, state, *, keep_states: bool):
         if on_gpu and kernel_fits(q[:, :1], v):
             return gdn_recurrent_fixed_order(q, k, v, g, beta, state, keep_states=keep_states)
         return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states, unroll=False)
-    wins = not keep_states and (q.shape[1] >= KERNEL_MIN_TOKENS or 4 * state.size >= KERNEL_MIN_STATE_BYTES)
-    if on_gpu and wins and kernel_fits(q, v):
-        return gdn_recurrent_pallas(q, k, v, g, beta, state, keep_states=keep_states)
+    if not keep_states and _kernel_wins(q, v, state):
+        return gdn_recurrent_pallas(q, k, v, g, beta, state)
     return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states)

@@ -40,7 +40,8 @@ def test_fused_decode_matches_the_unfused_layer(nk, nv, dk, dv):
     states = jnp.asarray(rng.normal(size=(3, B, nv, dk, dv)), jnp.float32)  # 3 repeats; the layer is repeat 1
     state = states[1]
 
-    o_ref, s_ref, _ = layer.delta_rule(seq, b, a, valid, state, None)
+    o_ref, s_ref, _ = layer.delta_rule(seq, b, a, valid, states, 1, None)
+    s_ref = s_ref[1]
     o, s = gdn_decode_pallas(seq, layer.conv1d[...][:, 0, :], b[:, 0], a[:, 0], layer.A_log[...],
                              layer.dt_bias[...], valid[:, 0], states, jnp.int32(1), num_k_heads=nk, interpret=True)
     assert relative_error(o, o_ref[:, 0]) < 1e-5

@@ -29,6 +29,17 @@ def test_kernel_matches_reference_with_every_state_kept(T):
         assert relative_error(states[:, t], states_ref[:, t]) < 1e-5
 
 
+@pytest.mark.parametrize("T", [2, 4])
+def test_a_verify_reads_its_repeat_of_the_stacked_states_in_place(T):
+    q, k, v, g, beta, s0 = inputs(T, seed=11)
+    stacked = jnp.stack([s0 * 0.5, s0, s0 * -2.0])  # [G = 3, B, nv, dk, dv]; the pass runs from repeat 1
+    o, final = gdn_recurrent_pallas(q, k, v, g, beta, stacked, jnp.int32(1), final_state=False, interpret=True)
+    o_ref, _ = gdn_recurrent_reference(q, k, v, g, beta, s0)
+    assert final is None and relative_error(o, o_ref) < 1e-5
+    with pytest.raises(ValueError, match="only when the final state is discarded"):
+        gdn_recurrent_pallas(q, k, v, g, beta, stacked, jnp.int32(1), interpret=True)
+
+
 @pytest.mark.parametrize("gate_scale", [1e-4, 40.0])
 def test_extreme_gates(gate_scale):
     args = inputs(4, gate_scale=gate_scale, seed=7)
