@@ -36,8 +36,9 @@ from pallas_kernels.gdn_chunked import gdn_chunked, gdn_chunked_pallas, gdn_chun
 from pallas_kernels.gdn_recurrent import gdn_recurrent_pallas, gdn_recurrent_reference
 from pallas_kernels.nvfp4_mma_mosaic import MAX_ROWS as MOSAIC_MAX_ROWS
 from pallas_kernels.quant_formats import FORMATS, quant_matmul_reference, quantize
-from pallas_kernels.quant_matmul import (Tiling, has_tma, nvfp4_mosaic_matmul, quant_matmul, quant_matmul_pallas,
-                                         tuned_for)
+from pallas_kernels.quant_matmul import has_tma, nvfp4_mosaic_matmul, quant_matmul, tuned_for
+from pallas_kernels.quant_matmul_triton import quant_matmul_pallas
+from pallas_kernels.quant_tiling import Tiling
 
 warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
 

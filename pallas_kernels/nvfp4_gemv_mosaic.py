@@ -1,13 +1,13 @@
 """NVFP4 GEMV for one or a few activation rows on Hopper, through Pallas's Mosaic GPU backend.
 
 y [M, N] = x [M, K] W^T for an NVFP4 weight (`quant_formats.QuantizedWeight`, format "nvfp4"), M at
-most MAX_ROWS; the dispatcher sends it one or two rows (`quant_matmul.MOSAIC_GEMV_ROWS`; more go to
-the tensor-core kernel, nvfp4_mma_mosaic.py). quant_matmul's Triton kernel keeps the next K step's
-tiles in registers (Triton issues no asynchronous copies for them) and needs a row kernel launched
-first. Here the weight codes, group scales and the step's activations stream into shared memory
-through the Hopper TMA unit, `stages` K steps ahead (`plgpu.emit_pipeline`), and each CTA prepares its
-own activations. On the H200 it is faster than the Triton kernel with its row kernel at every 27B
-and 0.8B shape measured (BENCHMARKS.md).
+most MAX_ROWS; the dispatcher sends it one or two rows (`TunedTilings.mosaic_gemv_rows` in
+quant_matmul.py; more go to the tensor-core kernel, nvfp4_mma_mosaic.py). The Triton packed-half
+GEMV (quant_half_gemv.py) keeps the next K step's tiles in registers (Triton issues no asynchronous
+copies for them) and needs a row kernel launched first. Here the weight codes, group scales and
+the step's activations stream into shared memory through the Hopper TMA unit, `stages` K steps
+ahead (`plgpu.emit_pipeline`), and each CTA prepares its own activations. On the H200 it is faster
+than the Triton kernel with its row kernel at every 27B and 0.8B shape measured (BENCHMARKS.md).
 
 One CTA (one warpgroup, 128 threads) per box of bn output rows; for long rows a whole number of CTAs
 an SM, where neighbouring boxes may overlap (`sm_balanced`, `first_row`), so that every SM streams the
@@ -15,11 +15,11 @@ same bytes:
   - each K step (`_step_products`) takes groups x 512 values of the bn rows. A lane owns one 16-value
     group of the step: for each activation row it scales the group's activations by a power of two
     (`_group_pairs`: the group's largest |x| into [2^14, 2^15), so no sum of 16 products leaves f16)
-    and pairs them as quant_matmul's NVFP4 PTX meets them; it decodes each of its rows' two weight
+    and pairs them as quant_half_gemv's NVFP4 PTX meets them; it decodes each of its rows' two weight
     words once (`_DECODE_PTX`) and runs the products (eight fma.f16x2, `_SUM_PTX`) for every
     activation row, adding the sum times the group scale times 2^-shift to a float32 accumulator;
   - after the last step (`_store_rows`) the lanes (and warps) sharing a row add up and write y.
-The decode and products are quant_matmul's PTX (`half_word_sums` is their CPU form); the scaling is
+The decode and products are quant_half_gemv's PTX (`half_word_sums` is their CPU form); the scaling is
 per group here, per row there. Mosaic GPU has no CPU interpreter for inline PTX, so this kernel runs
 on a GPU only; on the CPU its tests check that it lowers, and bench/kernels.py checks its numbers.
 """
@@ -47,7 +47,7 @@ PAIRS_A_GROUP = 2 * len(X_PAIR_VALUES["nvfp4"])  # activation pair words a group
 _E4M3_TO_F32_PTX = ("{\n.reg .b16 l;\n.reg .b32 h;\n.reg .f16 a, b;\n"
                     "cvt.u16.u32 l, $1; cvt.rn.f16x2.e4m3x2 h, l; mov.b32 {a, b}, h; cvt.f32.f16 $0, a;\n}")
 MAX_ROWS = 8  # activation rows a call: one accumulator per (activation row, weight row) in registers
-# quant_matmul's NVFP4 PTX split in two, so that each weight word pair is decoded once for all activation
+# quant_half_gemv's NVFP4 PTX split in two, so that each weight word pair is decoded once for all activation
 # rows: $0-$7 the eight f16 pairs from words $8 $9; then per activation row, $0 = $18 + the group's sum
 # of halves $1-$8 times pairs $9-$16 (A0 A1 B0 B1 C0 C1 D0 D1), times scale $17
 _HALVES = [f"${i}" for i in range(8)]
@@ -133,7 +133,7 @@ BALANCED_STEPS = 8  # K steps a row needs before SM-balanced grids pay off in th
 
 def pick_mosaic_tiling(N: int, K: int, sm_count: int) -> MosaicTiling | None:
     """The measured tiling for an NVFP4 weight [N, K] on a GPU of `sm_count` SMs, or None where it does
-    not fit (then quant_matmul's Triton kernel runs): 512 values a step (one group a lane), or 1024 for
+    not fit (then the Triton kernel runs, quant_matmul_triton.py): 512 values a step (one group a lane), or 1024 for
     rows of 8192 values or more; for rows of BALANCED_STEPS steps or more, a whole number of CTAs an
     SM, about ROWS_A_THREAD rows a thread (`sm_balanced`), with 4 stages at 1024 values a step, else 3,
     or 2 where three CTAs or more share an SM; for shorter rows or under half a CTA an SM, N / bn CTAs

@@ -13,7 +13,7 @@ step's activations. One CTA (4 warps) per bn = 8 x n_tiles weight rows; the warp
 step: warp w, chunk c take values [(4c + w) 128, +128). Lane (g, t) (g = lane // 4, t = lane % 4)
 owns 4 weight words (32 values at +32t) of rows 8j + g of each n-tile j, and the same 32 values of
 activation row g (row M - 1 where g >= M: its results are dropped). For each word:
-  - the decode is quant_matmul's NVFP4 PTX (`nvfp4_decode_ptx`): four f16 pairs, values (0, 4),
+  - the decode is quant_half_gemv's NVFP4 PTX (`nvfp4_decode_ptx`): four f16 pairs, values (0, 4),
     (2, 6), (7, 3), (5, 1), each times 2^-14;
   - the group's e4m3 scale multiplies them in f16 (`_SCALE_PAIR_PTX`; every product of an e2m1
     value, an e4m3 scale and 2^-14 is an f16 with no rounding);

@@ -1,7 +1,8 @@
 """Weight-only quantization formats: what a `QuantizedWeight` holds, how a float weight is
 quantized (`quantize`) and read back (`dequantize`, `quant_matmul_reference`), NVFP4's byte layout
-(`E2M1_BITS`) and its conversion from ModelOpt's nibbles, and the PTX that decodes it, which the
-Triton kernel (`quant_matmul`) and the Mosaic GPU kernels (`nvfp4_*_mosaic`) share.
+(`E2M1_BITS`) and its conversion from ModelOpt's nibbles, and what the Triton kernels
+(quant_matmul_triton.py, quant_half_gemv.py) and the Mosaic GPU kernels (`nvfp4_*_mosaic`) share:
+the PTX that decodes NVFP4, the activation pairing of the packed-half GEMV, the scale operands.
 
 Formats of a weight W [N, K] (`QuantizedWeight.format`):
   "int8"      data int8 [N, K], scale float32 [N] (per output channel);
@@ -143,6 +144,12 @@ def dequantize(w: QuantizedWeight) -> jax.Array:
     codes = jnp.stack(unpack_e2m1(w.data), axis=-1).reshape(N, K)
     s = jnp.repeat(w.scale.astype(jnp.float32), GROUP, axis=1) * w.global_scale
     return decode_e2m1(codes) * s
+
+def scale_operands(w: QuantizedWeight) -> tuple[jax.Array, jax.Array]:
+    """The kernels' scale operands: w's scales (NVFP4's stay e4m3, the others float32) and its global
+    scale [1] float32 (1 where the format has none). Reshapes and no-op casts: no XLA kernel."""
+    g = w.global_scale if w.global_scale is not None else jnp.ones(())
+    return (w.scale if w.format == "nvfp4" else w.scale.astype(jnp.float32)), jnp.reshape(g, (1,)).astype(jnp.float32)
 
 def quant_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x [..., K] (bf16 or f32) -> x W^T [..., N] in x's dtype, float32 accumulation."""

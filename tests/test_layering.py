@@ -24,7 +24,6 @@ LAYERS = {"pallas_kernels": 0, "models": 1, "proposers": 2, "spec_jax.engine": 3
 
 MAX_LINES = 500
 LONG_MODULES = {
-    "pallas_kernels/quant_matmul.py": "one op per kernel file: the quantized matmul's formats, PTX and dispatcher",
     "spec_jax/training/train.py": "the training script: its stages share one schedule, loss and evaluation loop",
 }
 MAX_BENCHMARKS_LINES = 400

@@ -14,7 +14,9 @@ from helpers import relative_error
 
 from pallas_kernels.quant_formats import (FORMATS, QuantizedWeight, decode_e2m1, dequantize, nvfp4_from_modelopt,
                                           quant_matmul_reference, quantize)
-from pallas_kernels.quant_matmul import MEASURED_ON, TUNED, Tiling, pick_tiling, quant_matmul, quant_matmul_pallas
+from pallas_kernels.quant_matmul import MEASURED_ON, TUNED, pick_tiling, quant_matmul
+from pallas_kernels.quant_matmul_triton import quant_matmul_pallas
+from pallas_kernels.quant_tiling import Tiling
 
 TUNED_H200 = TUNED[MEASURED_ON]
 
@@ -110,7 +112,7 @@ def test_split_k_partial_sums_add_up(fmt, tiling):
 def test_nvfp4_scales_loaded_word_by_word_give_the_broadcast_ones_product():
     """Above SHARED_SCALES_MAX_WARPS warps each weight word loads its group's scale itself; the
     product is the same, bit for bit, and matches the reference."""
-    from pallas_kernels.quant_matmul import SHARED_SCALES_MAX_WARPS
+    from pallas_kernels.quant_half_gemv import SHARED_SCALES_MAX_WARPS
 
     rng = np.random.default_rng(9)
     w = quantize(rng.normal(size=(32, 1024)).astype(np.float32) * rng.uniform(0.1, 10, size=(32, 64)).repeat(16, 1),
@@ -248,7 +250,7 @@ def test_packed_half_row_lands_inside_f16_range_by_range_and_is_paired_as_the_pt
     values as X_PAIR_VALUES says, and each range's factor undoes its scaling exactly. The ranges
     differ by 10^9 in size, so one scale for the whole row would lose the small ones to f16."""
     from pallas_kernels.quant_formats import VALUES_PER_WORD, X_PAIR_VALUES, X_TOP_EXPONENT
-    from pallas_kernels.quant_matmul import half_row
+    from pallas_kernels.quant_half_gemv import half_row
 
     range_max, size, per_word = np.array([7e4, 3e-5, 1.0, 0.0]), 256, VALUES_PER_WORD[fmt]
     x = np.concatenate([np.linspace(-m, m / 3, size) * np.random.default_rng(0).permutation(size) / size
@@ -376,7 +378,7 @@ def test_packed_half_ptx_adds_what_the_cpu_form_adds(fmt):
     accumulators, adds to the first accumulator what `half_word_sums` gives for its two words (to
     f16 rounding: 2^-9 of max |weight| x sum |x|; one term paired with the wrong activation is off
     by about 1/30 of that) and leaves the second accumulator alone."""
-    from pallas_kernels.quant_matmul import _HALF_PTX, half_word_sums
+    from pallas_kernels.quant_half_gemv import _HALF_PTX, half_word_sums
 
     rng = np.random.default_rng(5)
     n_x = 4 if fmt == "nvfp4" else 2
@@ -399,7 +401,7 @@ def test_packed_half_ptx_adds_what_the_cpu_form_adds(fmt):
 
 
 def test_int8_ptx_turns_every_byte_into_its_float():
-    from pallas_kernels.quant_matmul import _INT8_TO_F32_PTX
+    from pallas_kernels.quant_matmul_triton import _INT8_TO_F32_PTX
 
     rng = np.random.default_rng(0)
     for word in [0x80FF007F, 0x01020304, *rng.integers(0, 2**32, 64).tolist()]:  # 4 int8 values, element i in byte i
@@ -412,7 +414,7 @@ def test_int8_ptx_turns_every_byte_into_its_float():
 def test_e2m1_ptx_reads_every_code_pair_as_e5m2_times_2_to_the_minus_14():
     """The many-row kernels' decode: four bytes a word, the even columns then the odd ones."""
     from pallas_kernels.quant_formats import E2M1_SHRINK, unpack_e2m1
-    from pallas_kernels.quant_matmul import _E2M1_TO_E5M2_PTX
+    from pallas_kernels.quant_matmul_triton import _E2M1_TO_E5M2_PTX
 
     data = nvfp4_from_modelopt(np.arange(256, dtype=np.uint8))
     for asm, codes in zip(_E2M1_TO_E5M2_PTX, unpack_e2m1(jnp.asarray(data))):
