@@ -94,7 +94,7 @@ def test_dflash_training_objective_scores_the_block_inference_drafts(trained_dir
     import jax.numpy as jnp
 
     from spec_jax.loading.drafters import load_dflash
-    from spec_jax.training.train import dflash_loss
+    from spec_jax.training.losses import dflash_loss
 
     llm, model, drafts, P, seqs = inference_drafts(trained_dir, "dflash", 7)  # the anchor: first generated at P
     _, metrics = dflash_loss(load_dflash(trained_dir / "dflash", llm.cfg, jnp.float32)[0], model, seqs,
@@ -108,7 +108,7 @@ def test_eagle3_training_objective_scores_the_chain_inference_drafts(trained_dir
     import jax.numpy as jnp
 
     from spec_jax.loading.drafters import load_eagle3
-    from spec_jax.training.train import eagle3_steps
+    from spec_jax.training.losses import eagle3_steps
 
     llm, model, drafts, P, seqs = inference_drafts(trained_dir, "eagle3", 3)  # row P-1 drafts position P+1
     head = load_eagle3(trained_dir / "eagle3", llm.cfg, jnp.float32)[0]
