@@ -218,7 +218,7 @@ def test_generation_config_defaults_apply_when_no_params_are_given(chat_llm):
 
 def test_get_metrics_counts_over_the_llms_lifetime(chat_dir):
     llm = LLM(str(chat_dir), dtype="float32", max_model_len=128, max_num_seqs=4, batch_buckets=[4],
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2, **FIXED_K})  # mtp_chat_llm's
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, **FIXED_K})  # mtp_chat_llm's config
     outs = llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]], sampling_params=GREEDY, use_tqdm=False)
     outs += llm.generate(prompt_token_ids=[[6, 7]], sampling_params=GREEDY, use_tqdm=False)
     metrics = {m.name: m for m in llm.get_metrics()}
