@@ -38,6 +38,11 @@ DSPARK = dataclasses.replace(DRAFTER, markov_rank=8, sample_from_anchor=True)
 
 DRAFT_GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
+# The speculative-config field of a test not about adaptive verification: every draft verified every
+# step, so its step compiles one verify width, not several (the adaptive step has tests of its own:
+# tests/engine/test_adaptive.py and each method's greedy-equality test, at the default).
+FIXED_K = {"enable_adaptive_verification": False}
+
 
 def relative_error(got, want) -> float:
     """||got - want|| / ||want||, in float64."""

@@ -9,6 +9,7 @@ import json
 import httpx
 import openai
 import pytest
+from helpers import FIXED_K
 from live_server import live_server
 from scripted_model import ANSWER_TURN, CALL_TURN, write_scripted_checkpoint
 
@@ -28,7 +29,7 @@ def agent_server(tmp_path_factory):
     ids = write_scripted_checkpoint(d)
     llm = LLM(model=str(d), dtype="float32", max_model_len=512, max_num_seqs=2, batch_buckets=[2],
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 3}, reasoning_parser="qwen3")
+                                  "prompt_lookup_max": 3, **FIXED_K}, reasoning_parser="qwen3")
     server = Server(llm, served_model_name="scripted", steps_per_chunk=2, api_key="sesame",
                     parsers=ChatParsers(tool_call_parser="qwen3_coder", enable_auto_tool_choice=True,
                                         reasoning_parser="qwen3"))

@@ -4,7 +4,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import HF_FIXTURES
+from helpers import FIXED_K, HF_FIXTURES
 
 from spec_jax import LLM, SamplingParams
 from spec_jax.api.cli import main
@@ -75,7 +75,8 @@ def test_random_checkpoint_script_writes_loadable_target_and_drafter(tmp_path):
     write(["target", str(tmp_path / "t"), "--text-only"])
     write(["dflash", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--block-size", "4"])
     llm = LLM(model=str(tmp_path / "t"), dtype="float32", max_model_len=64, max_num_seqs=1,
-              speculative_config={"method": "dflash", "model": str(tmp_path / "d"), "num_speculative_tokens": 3})
+              speculative_config={"method": "dflash", "model": str(tmp_path / "d"), "num_speculative_tokens": 3,
+                                  **FIXED_K})
     out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=5, temperature=0))
     assert len(out[0].outputs[0].token_ids) >= 1
 

@@ -11,6 +11,7 @@ import json
 import jsonschema
 import openai
 import pytest
+from helpers import FIXED_K
 from live_server import live_server
 from scripted_model import ANSWER_TURN, CALL_TURN, write_scripted_checkpoint
 
@@ -28,7 +29,7 @@ CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "
         "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, **FIXED_K}
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from helpers import FIXED_K
 from live_server import live_server
 
 from spec_jax import LLM
@@ -40,7 +41,7 @@ def served(tmp_path_factory):
     template.write_text(CHATML)
     llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=2, batch_buckets=[2],
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                  "prompt_lookup_max": 3})
+                                  "prompt_lookup_max": 3, **FIXED_K})
     with live_server(build_app(Server(llm, served_model_name="m", chat_template=str(template),
                                       steps_per_chunk=2))) as url:
         yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import vllm_offline_script
-from helpers import TINY
+from helpers import FIXED_K, TINY
 
 from spec_jax import LLM, SamplingParams
 from spec_jax.api import engine_args
@@ -218,7 +218,7 @@ def test_generation_config_defaults_apply_when_no_params_are_given(chat_llm):
 
 def test_get_metrics_counts_over_the_llms_lifetime(chat_dir):
     llm = LLM(str(chat_dir), dtype="float32", max_model_len=128, max_num_seqs=4, batch_buckets=[4],
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, **FIXED_K})  # mtp_chat_llm's config
     outs = llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]], sampling_params=GREEDY, use_tqdm=False)
     outs += llm.generate(prompt_token_ids=[[6, 7]], sampling_params=GREEDY, use_tqdm=False)
     metrics = {m.name: m for m in llm.get_metrics()}
@@ -252,7 +252,7 @@ def test_sampling_fields_not_built_are_refused_by_name(kwargs, message):
 
 @pytest.fixture(scope="module")
 def mtp_chat_llm(chat_llm):
-    return chat_llm.with_speculation({"method": "mtp", "num_speculative_tokens": 2})
+    return chat_llm.with_speculation({"method": "mtp", "num_speculative_tokens": 2, **FIXED_K})
 
 
 def greedy_both(chat_llm, mtp_chat_llm, **fields) -> list[int]:

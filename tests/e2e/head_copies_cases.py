@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, relative_error
+from helpers import FIXED_K, TINY, relative_error
 
 from spec_jax import LLM, SamplingParams
 from spec_jax.loading import load_model
@@ -24,7 +24,7 @@ IDS = np.arange(3, 40)
 ARGS = dict(dtype="float32", max_model_len=128, max_num_seqs=2, batch_buckets=[2])
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 14, 3, 7], [11, 2, 30]]
-MTP = {"method": "mtp", "num_speculative_tokens": 2}
+MTP = {"method": "mtp", "num_speculative_tokens": 2, **FIXED_K}
 
 
 def tokens(llm: LLM) -> list[list[int]]:

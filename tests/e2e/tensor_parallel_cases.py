@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from helpers import DRAFT_GREEDY, DRAFTER, TINY, drafter_prompts, relative_error
+from helpers import DRAFT_GREEDY, DRAFTER, FIXED_K, TINY, drafter_prompts, relative_error
 from starlette.testclient import TestClient
 
 from models.tensor_parallel import make_mesh
@@ -70,7 +70,7 @@ def test_logits_over_n_devices_equal_one_device(checkpoints, one_device_logits, 
 def test_greedy_speculation_equals_plain_under_tp(llm2, spec, tmp_path):
     if spec == "dflash":
         d = write_dflash_checkpoint(tmp_path / "dflash", DRAFTER, seed=2)
-        spec = {"method": "dflash", "model": str(d), "num_speculative_tokens": 3}
+        spec = {"method": "dflash", "model": str(d), "num_speculative_tokens": 3, **FIXED_K}
     plain = [o.outputs[0].token_ids for o in llm2.generate(prompt_token_ids=drafter_prompts(),
                                                            sampling_params=DRAFT_GREEDY)]
     runner = llm2.with_speculation(spec)
@@ -138,7 +138,7 @@ def test_prefix_caching_under_tp(checkpoints):
 
     rng = np.random.default_rng(4)
     prompt = rng.integers(0, 500, 100).tolist()
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = {"method": "mtp", "num_speculative_tokens": 2, **FIXED_K}
     want = LLM(str(checkpoints["dense"]), speculative_config=spec, **ARGS).generate(
         prompt_token_ids=[prompt], sampling_params=DRAFT_GREEDY)[0].outputs[0].token_ids
     llm = LLM(str(checkpoints["dense"]), tensor_parallel_size=2, enable_prefix_caching=True, speculative_config=spec,
@@ -170,5 +170,5 @@ def test_batch_invariant_under_tp(checkpoints):
                 for o in outs]
 
     plain = run(llm, params)
-    speculating = llm.with_speculation({"method": "mtp", "num_speculative_tokens": 2})
+    speculating = llm.with_speculation({"method": "mtp", "num_speculative_tokens": 2, **FIXED_K})
     assert run(speculating, [params, dataclasses.replace(params, speculative=False), params]) == plain

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import check_logits_do_not_depend_on_the_pass, drafter_prompts
+from helpers import FIXED_K, check_logits_do_not_depend_on_the_pass, drafter_prompts
 
 from pallas_kernels.batch_invariant import batch_invariant, row_tiled
 from spec_jax import LLM, SamplingParams
@@ -42,8 +42,8 @@ def drafters(tiny_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("name, spec", [
     ("mtp", {"method": "mtp", "num_speculative_tokens": 3}),
-    ("dflash", {"method": "dflash", "num_speculative_tokens": 15}),
-    ("draft_model", {"method": "draft_model", "num_speculative_tokens": 2}),
+    ("dflash", {"method": "dflash", "num_speculative_tokens": 15, **FIXED_K}),  # one verify width: a smaller program
+    ("draft_model", {"method": "draft_model", "num_speculative_tokens": 2, **FIXED_K}),
 ])
 def test_greedy_speculation_reproduces_plain_decoding_bitwise(invariant_llm, drafters, name, spec):
     """Tokens and their logprobs (the target's raw log-softmax, from the verify pass with
@@ -226,6 +226,6 @@ def test_with_prefix_caching_a_hit_and_speculation_change_nothing(tiny_dir):
         return out.token_ids, [[(t, x.logprob) for t, x in e.items()] for e in out.logprobs]
 
     plain = run(llm)
-    speculating = llm.with_speculation({"method": "mtp", "num_speculative_tokens": 3})
+    speculating = llm.with_speculation({"method": "mtp", "num_speculative_tokens": 3, **FIXED_K})
     assert run(speculating) == plain  # a miss: the store is the speculating engine's own
     assert run(speculating) == plain and speculating.engine.prefix_cache.hits == 128

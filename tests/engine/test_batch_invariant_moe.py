@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import TINY, check_logits_do_not_depend_on_the_pass, relative_error
+from helpers import FIXED_K, TINY, check_logits_do_not_depend_on_the_pass, relative_error
 
 from bench.oracle import KnownSequences, oracle_config
 from bench.scale import always_drafting
@@ -68,8 +68,9 @@ def plain_outputs(invariant_moe):
             for p in moe_prompts()]
 
 
-SPECS = {"mtp": {"method": "mtp", "num_speculative_tokens": 3},
-         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+SPECS = {"mtp": {"method": "mtp", "num_speculative_tokens": 3, **FIXED_K},
+         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                   **FIXED_K},
          "oracle": None}  # the plain run's own continuation, a third of the drafts corrupted
 
 
@@ -81,7 +82,8 @@ def test_greedy_speculation_reproduces_plain_decoding_bitwise(invariant_moe, pla
     commit some of their tokens."""
     prompts = moe_prompts()
     mixed = [GREEDY, dataclasses.replace(GREEDY, speculative=False), GREEDY]
-    spec = SPECS[name] or oracle_config(KnownSequences.of_outputs(plain_outputs), 3, MOE.vocab_size, 0.3)
+    spec = SPECS[name] or oracle_config(KnownSequences.of_outputs(plain_outputs), 3, MOE.vocab_size, 0.3,
+                                          **FIXED_K)
     if name == "ngram":  # a random model never repeats itself: where the lookup finds nothing, copies
         spec = {**spec, "proposer": always_drafting(spec)}
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import FIXED_K
 
 from models.layers import Batch
 from models.qwen3_5 import init_cache
@@ -131,7 +132,7 @@ def test_generation_stops_at_max_model_len(tiny_llm):
 def test_the_functional_layer_steps_to_what_generate_returns(tiny_llm):
     """`LLM.prefill` then `LLM.decode` one step at a time over the explicit state gives the same
     tokens as `generate`; padding rows of the bucket start done."""
-    llm = tiny_llm.with_speculation({"method": "ngram", "num_speculative_tokens": 2})
+    llm = tiny_llm.with_speculation({"method": "ngram", "num_speculative_tokens": 2, **FIXED_K})
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from helpers import FIXED_K
 
 from spec_jax import LLM, SamplingParams
 from spec_jax.api.scheduler import Scheduler
@@ -42,14 +43,14 @@ def drafters(tiny_dir, tmp_path_factory):
     return d
 
 
-SPECS = {
+SPECS = {  # MTP at the default (adaptive verification), the others at a fixed k: a smaller program each
     "off": None,
     "mtp": {"method": "mtp", "num_speculative_tokens": 2},
-    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
-    "dflash": {"method": "dflash", "num_speculative_tokens": 15},
-    "dspark": {"method": "dspark", "num_speculative_tokens": 7},
-    "eagle3": {"method": "eagle3", "num_speculative_tokens": 2},
-    "draft_model": {"method": "draft_model", "num_speculative_tokens": 2},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, **FIXED_K},
+    "dflash": {"method": "dflash", "num_speculative_tokens": 15, **FIXED_K},
+    "dspark": {"method": "dspark", "num_speculative_tokens": 7, **FIXED_K},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 2, **FIXED_K},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 2, **FIXED_K},
 }
 
 

@@ -8,7 +8,7 @@ import json
 
 import jsonschema
 import pytest
-from helpers import FIXTURES
+from helpers import FIXED_K, FIXTURES
 
 from spec_jax import LLM, SamplingParams
 from spec_jax.engine.structured import StructuredOutputsParams
@@ -38,7 +38,7 @@ for name in ("date", "date-time"):
 def completions():
     # Optimised programs (the suite compiles at XLA's cheapest level): this test runs thousands of steps.
     llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=ROWS, batch_buckets=[ROWS],
-              speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3, **FIXED_K},
               compiler_options={"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False})
     # Compact JSON (no whitespace between tokens) in closed objects: a small model decoding greedily
     # may otherwise pad with whitespace, or add properties, without end.

@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import HF_FIXTURES
+from helpers import FIXED_K, HF_FIXTURES
 
 from bench.oracle import KnownSequences, oracle_config
 from models.layers import Batch
@@ -22,25 +22,28 @@ def prompts(n_rows=3, vocab=60, seed=0):
     return [rng.integers(0, vocab, n).tolist() for n in (5, 17, 40)[:n_rows]]
 
 
-def run(model_dir, spec, ids, params=GREEDY, **kw):
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4, batch_buckets=[4],
-              speculative_config=spec, **kw)
-    outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm
+def echo_llm(model_dir, spec):
+    """The model in one batch bucket of four: a lone prompt and a batch of three share its programs."""
+    return LLM(model=str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4, batch_buckets=[4],
+               speculative_config=spec)
+
+
+def run(llm, ids, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
 def plain_echo(echo_dir):
-    ids = prompts()
-    return ids, run(echo_dir, None, ids)[0], run(echo_dir, None, ids[:1])[0]
+    ids, llm = prompts(), echo_llm(echo_dir, None)
+    return ids, run(llm, ids), run(llm, ids[:1])
 
 
-SPECS = [
-    {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+SPECS = [  # one config per method at the default (adaptive verification), the others at a fixed k
+    {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 3, **FIXED_K},
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-    {"method": "ngram", "num_speculative_tokens": 5},
-    {"method": "mtp", "num_speculative_tokens": 1},
-    {"method": "mtp", "num_speculative_tokens": 2},
+    {"method": "ngram", "num_speculative_tokens": 5, **FIXED_K},
+    {"method": "mtp", "num_speculative_tokens": 1, **FIXED_K},
+    {"method": "mtp", "num_speculative_tokens": 2, **FIXED_K},
     {"method": "mtp", "num_speculative_tokens": 3},
 ]
 
@@ -48,12 +51,11 @@ SPECS = [
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s['method']}-k{s['num_speculative_tokens']}")
 def test_greedy_spec_equals_plain_alone_and_in_a_mixed_batch(echo_dir, plain_echo, spec):
     ids, plain, plain_alone = plain_echo
-    alone, llm = run(echo_dir, spec, ids[:1])
-    assert alone == plain_alone
+    llm = echo_llm(echo_dir, spec)
+    assert run(llm, ids[:1]) == plain_alone
     # Mixed batch: the second request opts out of drafting and shares every step.
     params = [GREEDY, dataclasses.replace(GREEDY, speculative=False), GREEDY]
-    mixed, llm = run(echo_dir, spec, ids, params)
-    assert mixed == plain
+    assert run(llm, ids, params) == plain
     m = llm.metrics
     assert m["num_draft_tokens"] > 0 and 0 <= m["num_accepted_tokens"] <= m["num_draft_tokens"]
 

@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+from helpers import FIXED_K
 from scipy import stats
 
 from spec_jax import LLM, SamplingParams, default_model
@@ -70,12 +71,15 @@ def specs(plain_llm, tmp_path_factory) -> dict[str, dict]:
     assets = default_model.ASSETS
     dspark = write_random_drafter("dspark", plain_llm.model.cfg, tmp_path_factory.mktemp("dspark"), layers=1,
                                   block_size=4, dtype="float32")
-    return {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    # MTP at the default (adaptive verification), the others at a fixed k: a smaller program each
+    return {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                      **FIXED_K},
             "mtp": {"method": "mtp", "num_speculative_tokens": 3},
-            "dflash": {"method": "dflash", "model": str(assets / "dflash"), "num_speculative_tokens": 7},
-            "dspark": {"method": "dspark", "model": str(dspark), "num_speculative_tokens": 4},
-            "eagle3": {"method": "eagle3", "model": str(assets / "eagle3"), "num_speculative_tokens": 3},
-            "draft_model": {"method": "draft_model", "model": str(assets / "draft"), "num_speculative_tokens": 3}}
+            "dflash": {"method": "dflash", "model": str(assets / "dflash"), "num_speculative_tokens": 7, **FIXED_K},
+            "dspark": {"method": "dspark", "model": str(dspark), "num_speculative_tokens": 4, **FIXED_K},
+            "eagle3": {"method": "eagle3", "model": str(assets / "eagle3"), "num_speculative_tokens": 3, **FIXED_K},
+            "draft_model": {"method": "draft_model", "model": str(assets / "draft"), "num_speculative_tokens": 3,
+                            **FIXED_K}}
 
 
 METHODS = ["ngram", "mtp", "dflash", "dspark", "eagle3", "draft_model"]
@@ -107,7 +111,7 @@ def test_sampled_constrained_output_keeps_its_distribution_with_speculation(spec
     # Optimised programs (the suite compiles at XLA's cheapest level): this test runs hundreds of rows.
     llm = LLM(dtype="float32", max_model_len=128, max_num_seqs=96, batch_buckets=[96],
               compiler_options={"xla_backend_optimization_level": 2, "xla_llvm_disable_expensive_passes": False})
-    spec = llm.with_speculation({**specs["mtp"], "draft_sample_method": "probabilistic"})
+    spec = llm.with_speculation({**specs["mtp"], "draft_sample_method": "probabilistic", **FIXED_K})
     tables = []
     for engine in (llm, spec):
         texts = [c.text for c in engine.generate(["Pick two letters:"], params, use_tqdm=False)[0].outputs]

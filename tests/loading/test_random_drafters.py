@@ -3,6 +3,7 @@ layout that loads and speculates on the target it was fitted to, output equal to
 
 import numpy as np
 import pytest
+from helpers import FIXED_K
 
 from spec_jax import SamplingParams
 from spec_jax.writing.random_checkpoint import main
@@ -30,7 +31,7 @@ def test_written_drafter_speculates_on_its_target(tiny_dir, tiny_llm, tmp_path, 
     main([kind, str(tmp_path / kind), "--target", str(tiny_dir), *flags])
     prompts = [np.random.default_rng(0).integers(0, 500, 9).tolist()]
     plain = tiny_llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)[0].outputs[0].token_ids
-    llm = tiny_llm.with_speculation({**spec, "model": str(tmp_path / kind)})
+    llm = tiny_llm.with_speculation({**spec, "model": str(tmp_path / kind), **FIXED_K})
     assert llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)[0].outputs[0].token_ids == plain
     assert llm.metrics["num_draft_tokens"] > 0
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import DSPARK, HF_FIXTURES, TINY, assert_greedy_equals_plain
+from helpers import DSPARK, FIXED_K, HF_FIXTURES, TINY, assert_greedy_equals_plain
 from flax import nnx
 
 from bench.models import geometry_config, random_model, streamed_bytes
@@ -35,7 +35,7 @@ def test_block_drafter_decode_layout_reproduces_plain_greedy(tmp_path, tiny_dir,
     drafter = write_dflash_checkpoint(tmp_path, DSPARK, seed=2, layout="dspark")
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4],
               layout="decode",
-              speculative_config={"method": "dspark", "model": str(drafter), "num_speculative_tokens": 4})
+              speculative_config={"method": "dspark", "model": str(drafter), "num_speculative_tokens": 4, **FIXED_K})
     _, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     assert draft.layers is None and len(draft.unstacked) == DSPARK.num_hidden_layers
     assert_greedy_equals_plain(llm, plain_greedy)
@@ -45,7 +45,8 @@ def test_qwen3_draft_model_decode_layout_reproduces_plain_greedy(tiny_dir, plain
     drafter = HF_FIXTURES.parent / "qwen3"  # a plain Qwen3 checkpoint in the target's vocabulary
     llm = LLM(model=str(tiny_dir), dtype="float32", max_model_len=256, max_num_seqs=4, batch_buckets=[4],
               layout="decode",
-              speculative_config={"method": "draft_model", "model": str(drafter), "num_speculative_tokens": 2})
+              speculative_config={"method": "draft_model", "model": str(drafter), "num_speculative_tokens": 2,
+                                  **FIXED_K})
     _, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     assert draft.layers is None and len(draft.unstacked) == draft.cfg.num_hidden_layers
     assert_greedy_equals_plain(llm, plain_greedy)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import DRAFT_GREEDY as GREEDY
-from helpers import HF_FIXTURES, TINY, drafter_spec
+from helpers import FIXED_K, HF_FIXTURES, TINY, drafter_spec
 from helpers import drafter_prompts as prompts
 from flax import nnx
 from safetensors.numpy import load_file, save_file
@@ -111,7 +111,7 @@ def test_a_drafter_checkpoint_is_not_a_draft_model(tiny_llm, tiny_dir, tmp_path,
 
 def test_a_plain_qwen3_draft(tiny_llm, plain_greedy):
     """A Qwen3 (attention-only) checkpoint drafts for the Qwen3.5 target; its vocabulary matches."""
-    llm = tiny_llm.with_speculation(spec(HF_FIXTURES.parent / "qwen3", 2))
+    llm = tiny_llm.with_speculation(spec(HF_FIXTURES.parent / "qwen3", 2, **FIXED_K))
     outs = llm.generate(prompt_token_ids=prompts(), sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_greedy
     assert llm.metrics["num_draft_tokens"] > 0

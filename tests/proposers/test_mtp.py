@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import HF_FIXTURES, assert_greedy_equals_plain
+from helpers import FIXED_K, HF_FIXTURES, assert_greedy_equals_plain
 from flax import nnx
 
 from models.layers import Batch
@@ -53,7 +53,7 @@ def test_reduced_draft_vocabulary_drafts_low_ids_and_keeps_greedy_output(tiny_ll
     """draft_vocab_size n: the head's logits are the full head's over ids < n and -inf past them;
     greedy output is the plain one; every draft is an id < n."""
     n = 200
-    llm = tiny_llm.with_speculation({"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_size": n})
+    llm = tiny_llm.with_speculation({"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_size": n, **FIXED_K})
     head = DraftVocabHead(tiny_llm.model, n)
     hidden = jnp.asarray(np.random.default_rng(1).normal(size=(3, tiny_llm.cfg.hidden_size)), jnp.float32)
     got, full = np.asarray(head(hidden)), np.asarray(tiny_llm.model.logits(hidden))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import DRAFT_GREEDY as GREEDY
-from helpers import DRAFTER, DSPARK, TINY, assert_greedy_equals_plain, drafter_spec, relative_error
+from helpers import DRAFTER, DSPARK, FIXED_K, TINY, assert_greedy_equals_plain, drafter_spec, relative_error
 from flax import nnx
 from safetensors.numpy import load_file
 
@@ -224,7 +224,7 @@ def test_engine_state_matches_the_reference_and_greedy_equals_plain(block_case, 
     cfg = json.loads((d / "config.json").read_text())
     method = "dspark" if "markov_rank" in cfg else "dflash"
     k = 4 if method == "dspark" else 3
-    llm = tiny_llm.with_speculation(drafter_spec(method, d, k))
+    llm = tiny_llm.with_speculation(drafter_spec(method, d, k, **FIXED_K))
     assert_greedy_equals_plain(llm, plain_greedy)
     # In the batch bucket the greedy runs above compiled (row 0 is the prompt; the others are padding)
     state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY])
@@ -301,7 +301,7 @@ def test_dflash2_keeps_z_labs_names_and_drafts_its_selectors_walk(tiny_llm, tmp_
                  "layers.0.attention_conv.kernel_projection.weight", "layers.1.mlp_conv.kernel_projection.weight"):
         assert name in w
     assert json.loads((d / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
-    llm = tiny_llm.with_speculation(drafter_spec("dflash", d, 3))
+    llm = tiny_llm.with_speculation(drafter_spec("dflash", d, 3, **FIXED_K))
     state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY], rows=1)
     state = llm.engine.decode(state, 3, do_sample)
     model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
@@ -320,7 +320,7 @@ def test_dflash2_keeps_z_labs_names_and_drafts_its_selectors_walk(tiny_llm, tmp_
                                                                        jax.nn.softmax(logits, -1)))
     q = np.asarray(q[0])
     assert np.allclose(q.sum(-1), 1.0, atol=1e-5) and ((q > 0).sum(-1) <= 6).all()
-    sampled = tiny_llm.with_speculation(drafter_spec("dflash", d, 3, draft_sample_method="probabilistic"))
+    sampled = tiny_llm.with_speculation(drafter_spec("dflash", d, 3, draft_sample_method="probabilistic", **FIXED_K))
     out = sampled.generate(prompt_token_ids=[[3, 1, 4, 1, 5]], sampling_params=SamplingParams(
         max_tokens=12, temperature=0.9, seed=1, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 12
@@ -363,7 +363,7 @@ def test_sliding_head_resolves_and_its_ring_matches_the_reference(head_dir):
 
 
 def test_sliding_head_engine_state_matches_the_reference_and_greedy_equals_plain(head_dir, tiny_llm, plain_greedy):
-    llm = tiny_llm.with_speculation(drafter_spec("eagle3", head_dir, 3))
+    llm = tiny_llm.with_speculation(drafter_spec("eagle3", head_dir, 3, **FIXED_K))
     assert_greedy_equals_plain(llm, plain_greedy)
     state, do_sample, _ = llm.engine.start([[3, 1, 4, 1, 5, 9, 2, 6]], [GREEDY])  # row 0 of the bucket above
     state = llm.engine.decode(state, 6, do_sample)
