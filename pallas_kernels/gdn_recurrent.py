@@ -206,16 +206,17 @@ def gdn_verify(q, k, v, g, beta, states, repeat, *, keep_states: bool = False):
 
 
 def _gdn_verify_local(q, k, v, g, beta, states, repeat, *, keep_states: bool):
-    if not keep_states and _kernel_wins(q, v, states[0]):
+    if not keep_states and _kernel_wins(q, v, 4 * states.size // states.shape[0]):
         return (gdn_recurrent_pallas(q, k, v, g, beta, states, repeat, final_state=False)[0],)
     out = _gdn_recurrent_local(q, k, v, g, beta, jax.lax.dynamic_index_in_dim(states, repeat, keepdims=False),
                                keep_states=keep_states)
     return (out[0], out[2]) if keep_states else (out[0],)
 
 
-def _kernel_wins(q, v, state) -> bool:
-    """Whether a pass that keeps no per-token states runs the kernel (outside batch-invariant mode)."""
-    long_or_wide = q.shape[1] >= KERNEL_MIN_TOKENS or 4 * state.size >= KERNEL_MIN_STATE_BYTES
+def _kernel_wins(q, v, state_bytes: int) -> bool:
+    """Whether a pass that keeps no per-token states, from a float32 state of state_bytes, runs the
+    kernel (outside batch-invariant mode)."""
+    long_or_wide = q.shape[1] >= KERNEL_MIN_TOKENS or state_bytes >= KERNEL_MIN_STATE_BYTES
     return jax.default_backend() == "gpu" and invariant_rows() is None and long_or_wide and kernel_fits(q, v)
 
 
@@ -248,6 +249,6 @@ def _gdn_recurrent_local(q, k, v, g, beta, state, *, keep_states: bool):
         if on_gpu and kernel_fits(q[:, :1], v):
             return gdn_recurrent_fixed_order(q, k, v, g, beta, state, keep_states=keep_states)
         return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states, unroll=False)
-    if not keep_states and _kernel_wins(q, v, state):
+    if not keep_states and _kernel_wins(q, v, 4 * state.size):
         return gdn_recurrent_pallas(q, k, v, g, beta, state)
     return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states)
