@@ -11,8 +11,9 @@ rest of the ids filled with distinct made-up words), so llguidance builds its ma
 tokens as the real one. Acceptance is dialled (vLLM's synthetic rejection) so that both sides
 accept alike. The constrained rows follow an array of at least MIN_ITEMS objects (a long key, a
 bounded string, a bounded integer): JSON that never ends within the token budget. Each
-configuration runs once to compile and is timed on a second run; "host ms" is the grammar's host
-work per step (`GrammarRows.host_s`), included in "step ms".
+configuration runs once to compile and is timed on a second run; "host ms" is the time per step the
+device waits on the grammar's host work (`GrammarRows.host_s`, included in "step ms"), "fill ms"
+the mask filling that runs beside the device's target pass (`GrammarRows.fill_s`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def measure(llm: LLM, prompts, params) -> dict:
     """Decode figures of a batch (second run): step ms, tokens per step per row, ms per token, host ms."""
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)  # compile
     rows = llm.engine.grammar_rows() if any(p.structured for p in params) else None
-    host0, calls0, forced0 = (rows.host_s, rows.calls, rows.forced) if rows else (0.0, 0, 0)
+    host0, fill0, calls0, forced0 = (rows.host_s, rows.fill_s, rows.calls, rows.forced) if rows else (0, 0, 0, 0)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     m = outs[0].metrics
     steps = m["batch_decode_steps"]
@@ -69,7 +70,8 @@ def measure(llm: LLM, prompts, params) -> dict:
            "ms_per_token": 1e3 * m["decode_s"] / (sum(per_row) / len(per_row)),
            "acceptance_rate": llm.metrics.get("acceptance_rate")}
     if rows:
-        out["host_ms"] = 1e3 * (rows.host_s - host0) / max(rows.calls - calls0, 1)
+        calls = max(rows.calls - calls0, 1)
+        out["host_ms"], out["fill_ms"] = 1e3 * (rows.host_s - host0) / calls, 1e3 * (rows.fill_s - fill0) / calls
         out["forced_drafts"] = rows.forced - forced0
     return out
 

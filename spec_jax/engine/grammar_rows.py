@@ -1,8 +1,10 @@
 """The host side of structured output: one llguidance matcher per constrained row, kept in step
 with the tokens the device writes, and the token masks the step verifies against.
 
-The step (`spec_jax.engine.step`) calls `GrammarRows.step` once per step from inside the compiled
-program (a host callback), after the proposer drafted and before the target's logits are read:
+The step (`spec_jax.engine.step`) calls it twice per step from inside the compiled program (host
+callbacks): `begin` after the proposer drafted, before the target's pass, and `finish` after the
+target's logits, before they are read. Between the two the masks are filled on a worker thread, so
+the costliest host work runs while the device runs the target's pass:
 
 - each row's matcher first consumes the tokens the previous step wrote (only accepted tokens are
   ever consumed, so nothing needs undoing after a rejection);
@@ -11,17 +13,19 @@ program (a host callback), after the proposer drafted and before the target's lo
   fast-forward tokens: the canonical tokens of the bytes every continuation starts with) they are
   proposed as drafts, in place of a forbidden draft or past the proposer's last one;
 - the mask of each verify position is the grammar's after the drafts before it, computed for all
-  rows in parallel by llguidance, which rolls its matchers back to the accepted state itself.
+  rows in parallel by llguidance (on the worker), which rolls its matchers back to the accepted
+  state itself.
 
 With a reasoning parser (`EngineConfig.reasoning_parser`) a row's grammar holds the answer after the
 reasoning its prompt leaves open (`reasoning_grammar`). Rows of the batch without a grammar get masks
-of all ones. Compiled grammars are cached per grammar
-text, so a schema is compiled once however many requests use it.
+of all ones. Compiled grammars are cached per grammar text, so a schema is compiled once however
+many requests use it.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import threading
@@ -89,8 +93,12 @@ class GrammarRows:
         self.compiles = 0  # grammars compiled so far (a cache miss each)
         self.forced_drafts, self.reasoning_parser = forced_drafts, reasoning_parser
         self.rows: dict[int, Row] = {}
-        self.calls, self.host_s, self.forced = 0, 0.0, 0  # steps served, seconds spent, tokens the grammar drafted
-        self.next_id = 0
+        # steps served, seconds the device waited on the host, seconds of mask filling (overlapped with
+        # the device), tokens the grammar drafted
+        self.calls, self.host_s, self.fill_s, self.forced = 0, 0.0, 0.0, 0
+        self.next_id = self.next_ticket = 0
+        self.pending: dict[int, concurrent.futures.Future] = {}  # `begin`'s fills not yet finished
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams, start: str = "closed") -> llguidance.LLMatcher:
@@ -146,17 +154,25 @@ class GrammarRows:
                 self.rows.pop(int(i), None)
 
     def step(self, ids, lengths, recent, drafts, n_draft, limit):
-        """One step's grammar work, called from the compiled step.
+        """One step's grammar work at once: `begin` and then `finish`. Returns masks [B, k+1, W]
+        int32, drafts [B, k] and n_draft [B] (a row whose grammar failed verifies none)."""
+        ticket, drafts, n_draft = self.begin(ids, lengths, recent, drafts, n_draft, limit)
+        masks, failed = self.finish(ticket)
+        return masks, drafts, np.where(failed, 0, n_draft).astype(np.int32)
+
+    def begin(self, ids, lengths, recent, drafts, n_draft, limit):
+        """The first half of a step's grammar work, called from the compiled step before its target
+        pass: catch the matchers up and walk the drafts. The masks are filled on a worker thread
+        meanwhile, so the costly part overlaps the device's pass; `finish(ticket)` returns them.
 
         ids [B] int32 (-1: no grammar, or a finished row); lengths [B] tokens in each row's buffer;
         recent [B, R] its last R tokens (those written since the previous call among them);
         drafts [B, k] and n_draft [B] the proposer's; limit [B] the most drafts a row may verify.
-        Returns masks [B, k+1, W] int32 (position j: after the row's first j drafts), and the
-        drafts [B, k], n_draft [B] to verify (cut at a forbidden draft, forced tokens proposed).
+        Returns ticket [] int32 and the drafts [B, k], n_draft [B] to verify (cut at a forbidden
+        draft, forced tokens proposed).
         """
         t0 = time.perf_counter()
         B, k = drafts.shape
-        masks = np.full((B * (k + 1), self.words), -1, np.int32)
         drafts, n_draft = np.array(drafts, np.int32), np.array(n_draft, np.int32)
         walks, heads = [], []  # rows with drafts to walk; rows with none (llguidance takes them apart)
         with self.lock:
@@ -166,6 +182,7 @@ class GrammarRows:
                 raise RuntimeError(f"batch row {b} holds grammar id {int(ids[b])}, which no request owns")
             self._catch_up(row, int(lengths[b]), recent[b])
             if row.matcher.is_error():
+                n_draft[b] = 0
                 continue
             chain, walked = self._walk(row.matcher, drafts[b, :n_draft[b]].tolist(), min(int(limit[b]), k))
             drafts[b, :len(chain)] = chain
@@ -174,6 +191,30 @@ class GrammarRows:
                 walks.append((row.matcher, b * (k + 1), walked))
             else:
                 heads.append((row.matcher, b * (k + 1)))
+        with self.lock:
+            ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
+            self.pending[ticket] = self.worker.submit(self._fill, B, k, rows, walks, heads)
+        self.calls += 1
+        self.host_s += time.perf_counter() - t0
+        return np.int32(ticket), drafts, n_draft
+
+    def finish(self, ticket, after=None):
+        """The masks of `begin`'s ticket: [B, k+1, W] int32 (position j: after the row's first j
+        drafts), and failed [B] bool, the rows whose grammar failed while they were filled (their
+        masks allow EOS alone; they accept no draft). `after` is not read: the compiled step passes
+        the target's logits, which orders the call after its pass."""
+        t0 = time.perf_counter()
+        with self.lock:
+            fill = self.pending.pop(int(ticket))
+        masks, failed = fill.result()
+        self.host_s += time.perf_counter() - t0
+        return masks, failed
+
+    def _fill(self, B: int, k: int, rows, walks, heads) -> tuple[np.ndarray, np.ndarray]:
+        """`finish`'s results, computed by llguidance for all rows in parallel (on the worker thread)."""
+        t0 = time.perf_counter()
+        masks = np.full((B * (k + 1), self.words), -1, np.int32)
+        failed = np.zeros(B, bool)
         if walks:
             fill_next_token_bitmask_par_with_draft_tokens(self.executor, walks, masks)
         if heads:
@@ -182,10 +223,9 @@ class GrammarRows:
             if row.matcher.is_error():  # a resource limit: the row ends now, at EOS, and reports why (`failure`)
                 row.failure = row.failure or row.matcher.get_error().split("\n")[0]
                 masks[b * (k + 1):(b + 1) * (k + 1)] = eos_only(self.words, self.tokenizer.eos_token)
-                n_draft[b] = 0
-        self.calls += 1
-        self.host_s += time.perf_counter() - t0
-        return masks.reshape(B, k + 1, self.words), drafts, n_draft
+                failed[b] = True
+        self.fill_s += time.perf_counter() - t0
+        return masks.reshape(B, k + 1, self.words), failed
 
     def _catch_up(self, row: Row, length: int, recent: np.ndarray) -> None:
         """Consume the tokens written since the row's matcher last saw it: those of the buffer from

@@ -39,18 +39,29 @@ def drafting_policy(sampling: RowSampling, *, probabilistic: bool, do_sample: bo
     return choose
 
 
-def grammar_masks(grammars, sampling: RowSampling, done, tokens, lengths, drafts, n_draft, limit, recent: int):
-    """A step's grammar work, on the host (`GrammarRows.step`, a callback from the compiled step):
-    tokens [B, L] each row's buffer holding lengths [B] tokens, the last `recent` of which the
-    matchers may not have seen; drafts [B, k] and n_draft [B] the proposer's; limit [B] the most
-    drafts a row may verify. Returns (masks [B, k+1, W] int32 bitmasks, drafts [B, k], n_draft [B])."""
+def grammar_begin(grammars, sampling: RowSampling, done, tokens, lengths, drafts, n_draft, limit, recent: int):
+    """The first half of a step's grammar work, on the host (`GrammarRows.begin`, a callback from
+    the compiled step, before its target pass): tokens [B, L] each row's buffer holding lengths [B]
+    tokens, the last `recent` of which the matchers may not have seen; drafts [B, k] and n_draft [B]
+    the proposer's; limit [B] the most drafts a row may verify. Returns (ticket [] int32, drafts
+    [B, k], n_draft [B]); `grammar_finish(ticket)` gives the masks."""
     B, k = drafts.shape
     idx = jnp.maximum(lengths[:, None] - recent + jnp.arange(recent)[None, :], 0)
     window = jnp.take_along_axis(tokens, idx, axis=1)
     ids = jnp.where(done, -1, sampling.grammar)
-    shapes = (jax.ShapeDtypeStruct((B, k + 1, grammars.words), jnp.int32), jax.ShapeDtypeStruct((B, k), jnp.int32),
+    shapes = (jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((B, k), jnp.int32),
               jax.ShapeDtypeStruct((B,), jnp.int32))
-    return io_callback(grammars.step, shapes, ids, lengths, window, drafts, n_draft, limit)
+    return io_callback(grammars.begin, shapes, ids, lengths, window, drafts, n_draft, limit)
+
+
+def grammar_finish(grammars, ticket, raw: jax.Array, positions: int):
+    """The masks of `grammar_begin`'s ticket (`GrammarRows.finish`) for its positions = k + 1
+    verify positions, called with the pass's raw logits [B, V] so that the host's wait comes after
+    the pass (the masks were filled while the device ran it). Returns (masks [B, k+1, W] int32,
+    failed [B] bool: rows whose grammar failed, which accept no draft)."""
+    B = raw.shape[0]
+    shapes = (jax.ShapeDtypeStruct((B, positions, grammars.words), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_))
+    return io_callback(grammars.finish, shapes, ticket, jnp.max(raw, axis=-1))
 
 
 def constrained(sampling: RowSampling, grammars) -> bool:
@@ -100,10 +111,10 @@ def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, last, prompts, 
     raw = model.logits(last)
     logits = process_logits(raw, sampling, prompt_lengths, history)
     if constrained(sampling, grammars):
-        none = no_drafts(prompt_lengths)
-        masks, _, _ = grammar_masks(grammars, sampling, done, prompts, prompt_lengths, none, prompt_lengths * 0,
-                                    prompt_lengths * 0, recent=0)
-        logits = apply_token_masks(logits, masks[:, 0])
+        zero = prompt_lengths * 0
+        ticket, _, _ = grammar_begin(grammars, sampling, done, prompts, prompt_lengths, no_drafts(prompt_lengths),
+                                     zero, zero, recent=0)
+        logits = apply_token_masks(logits, grammar_finish(grammars, ticket, raw, 1)[0][:, 0])
     first = sample_tokens(logits, sampling, prompt_lengths, do_sample=do_sample)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :T].set(prompts)
     logprobs = None if num_logprobs is None else EmittedLogprobs.empty(B, cache_len, num_logprobs)
@@ -135,29 +146,31 @@ def generated_before(state: DecodeState, drafts: jax.Array | None = None) -> jax
 
 
 def decode_one(model: Qwen3_5Model, state: DecodeState, taps: tuple[int, ...], *, do_sample: bool,
-               masks: jax.Array | None = None) -> tuple[jax.Array, ForwardOut, jax.Array]:
+               masks_of=None) -> tuple[jax.Array, ForwardOut, jax.Array]:
     """Feed each live row's newest token; returns the next token [B], the pass's `ForwardOut` and
-    its raw logits [B, V]. masks [B, W]: the grammar's token bitmasks, if rows are constrained."""
+    its raw logits [B, V]. masks_of: if rows are constrained, raw logits [B, V] -> the grammar's
+    token bitmasks [B, W] (`grammar_finish`, so the host's wait comes after the pass)."""
     B, L = state.tokens.shape
     newest = state.tokens[jnp.arange(B), state.lengths - 1][:, None]
     batch = Batch(start=state.lengths - 1, n_valid=(~state.done).astype(jnp.int32))
     out = model(newest, batch, state.cache, kv_len=L, taps=taps)
     raw = model.logits(out.hidden[:, 0])
     logits = process_logits(raw, state.sampling, state.lengths, state.history, recent=generated_before(state))
-    if masks is not None:
-        logits = apply_token_masks(logits, masks)
+    if masks_of is not None:
+        logits = apply_token_masks(logits, masks_of(raw))
     return sample_tokens(logits, state.sampling, state.lengths, do_sample=do_sample), out, raw
 
 
 def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bool, grammars=None) -> DecodeState:
     """Plain decoding: feed each live row's newest token and sample the next one (within the
     row's grammar, when it has one)."""
-    masks = None
+    masks_of = None
     if constrained(state.sampling, grammars):
-        none, zero = no_drafts(state.lengths), jnp.zeros_like(state.lengths)
-        masks = grammar_masks(grammars, state.sampling, state.done, state.tokens, state.lengths, none, zero, zero,
-                              recent=1)[0][:, 0]
-    nxt, out, raw = decode_one(model, state, (), do_sample=do_sample, masks=masks)
+        zero = jnp.zeros_like(state.lengths)
+        ticket, _, _ = grammar_begin(grammars, state.sampling, state.done, state.tokens, state.lengths,
+                                     no_drafts(state.lengths), zero, zero, recent=1)
+        masks_of = lambda raw: grammar_finish(grammars, ticket, raw, 1)[0][:, 0]  # noqa: E731
+    nxt, out, raw = decode_one(model, state, (), do_sample=do_sample, masks_of=masks_of)
     state = append_tokens(state, nxt[:, None], jnp.ones_like(nxt), out.cache, raw[:, None])
     return dataclasses.replace(state, steps=state.steps + 1)
 
@@ -183,7 +196,7 @@ def spec_step(model: Qwen3_5Model, draft, state: DecodeState, step_times: jax.Ar
     0 when it does not speculate (or is done), else the room before its max length; its verify
     pass is then a plain decode step of one token, in the same batch.
 
-    Constrained rows (`grammar_masks`): the grammar cuts the drafts at the first it forbids and
+    Constrained rows (`grammar_begin`): the grammar cuts the drafts at the first it forbids and
     proposes its forced tokens, and each verify position's logits are masked by the grammar's state
     after the drafts before it, so a forbidden token is never accepted nor emitted.
     """
@@ -261,10 +274,10 @@ def step_at_width(model: Qwen3_5Model, draft, state: DecodeState, limit, *, plan
         drafts, q = drafts[:, :width], None if q is None else q[:, :width]
     n_draft = jnp.minimum(n_draft, limit)
     newest = state.tokens[rows, state.lengths - 1]
-    masks = None
+    ticket = None
     if constrained(state.sampling, grammars):  # the last step may have written up to k + 1 tokens
-        masks, forced, n_forced = grammar_masks(grammars, state.sampling, state.done, state.tokens, state.lengths,
-                                                drafts, n_draft, jnp.minimum(limit, width), recent=k + 1)
+        ticket, forced, n_forced = grammar_begin(grammars, state.sampling, state.done, state.tokens, state.lengths,
+                                                 drafts, n_draft, jnp.minimum(limit, width), recent=k + 1)
         if q is not None:  # a token the grammar put in place is drafted with certainty
             replaced = (forced != drafts) | (jnp.arange(width)[None, :] >= n_draft[:, None])
             q = jnp.where(replaced[..., None], jax.nn.one_hot(forced, q.shape[-1], dtype=q.dtype), q)
@@ -279,13 +292,15 @@ def step_at_width(model: Qwen3_5Model, draft, state: DecodeState, limit, *, plan
         raw = model.logits(target.hidden)
         logits = process_logits(raw, state.sampling, positions, state.history, counts,
                                 generated_before(state, drafts))
-        if masks is not None:
-            logits = apply_token_masks(logits, masks)
+        n_verified = n_draft
+        if ticket is not None:
+            masks, failed = grammar_finish(grammars, ticket, raw[:, 0], width + 1)
+            logits, n_verified = apply_token_masks(logits, masks), jnp.where(failed, 0, n_draft)
         if plan.acceptance == "synthetic":
-            n_acc, emitted = accept_synthetic(state.acceptance_rates[:, :width], logits, drafts, n_draft,
+            n_acc, emitted = accept_synthetic(state.acceptance_rates[:, :width], logits, drafts, n_verified,
                                               state.sampling, state.lengths, do_sample=do_sample)
         else:
-            n_acc, emitted = accept_drafts(logits, drafts, n_draft, q, state.sampling, state.lengths,
+            n_acc, emitted = accept_drafts(logits, drafts, n_verified, q, state.sampling, state.lengths,
                                            do_sample=do_sample)
         cache = model.commit(target.cache, target.pending, jnp.where(live, n_acc + 1, 0))
         return n_acc, emitted, cache, dataclasses.replace(target, cache=None, pending=None), kept(raw)
@@ -293,8 +308,8 @@ def step_at_width(model: Qwen3_5Model, draft, state: DecodeState, limit, *, plan
     def decode_only(_):
         # `decode_one`, its outputs padded to the width+1 positions proposers read (past
         # n_acc + 1 = 1 they are never read).
-        nxt, target, raw = decode_one(model, state, plan_taps(plan), do_sample=do_sample,
-                                      masks=None if masks is None else masks[:, 0])
+        masks_of = None if ticket is None else lambda raw: grammar_finish(grammars, ticket, raw, width + 1)[0][:, 0]
+        nxt, target, raw = decode_one(model, state, plan_taps(plan), do_sample=do_sample, masks_of=masks_of)
         pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, width), (0, 0)))  # noqa: E731
         emitted = jnp.concatenate([nxt[:, None], drafts], axis=1)
         return (jnp.zeros_like(n_draft), emitted, target.cache, ForwardOut(pad(target.hidden), None, pad(target.taps)),
