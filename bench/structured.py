@@ -11,9 +11,10 @@ rest of the ids filled with distinct made-up words), so llguidance builds its ma
 tokens as the real one. Acceptance is dialled (vLLM's synthetic rejection) so that both sides
 accept alike. The constrained rows follow an array of at least MIN_ITEMS objects (a long key, a
 bounded string, a bounded integer): JSON that never ends within the token budget. Each
-configuration runs once to compile and is timed on a second run; "host ms" is the time per step the
-device waits on the grammar's host work (`GrammarRows.host_s`, included in "step ms"), "fill ms"
-the mask filling that runs beside the device's target pass (`GrammarRows.fill_s`).
+configuration runs once to compile and is timed on a second run. Per step, the grammar's host work
+the device waits on (included in "step ms"): "begin ms" (catching the matchers up, walking the
+drafts) and "wait ms" (for masks not yet filled when the pass ended); "fill ms": the mask filling
+that runs beside the device's target pass (`GrammarRows.begin_s`, `wait_s`, `fill_s`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def measure(llm: LLM, prompts, params) -> dict:
     """Decode figures of a batch (second run): step ms, tokens per step per row, ms per token, host ms."""
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)  # compile
     rows = llm.engine.grammar_rows() if any(p.structured for p in params) else None
-    host0, fill0, calls0, forced0 = (rows.host_s, rows.fill_s, rows.calls, rows.forced) if rows else (0, 0, 0, 0)
+    timers = ("begin_s", "wait_s", "fill_s")
+    before = {name: getattr(rows, name) for name in (*timers, "calls", "forced")} if rows else {}
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     m = outs[0].metrics
     steps = m["batch_decode_steps"]
@@ -70,9 +72,9 @@ def measure(llm: LLM, prompts, params) -> dict:
            "ms_per_token": 1e3 * m["decode_s"] / (sum(per_row) / len(per_row)),
            "acceptance_rate": llm.metrics.get("acceptance_rate")}
     if rows:
-        calls = max(rows.calls - calls0, 1)
-        out["host_ms"], out["fill_ms"] = 1e3 * (rows.host_s - host0) / calls, 1e3 * (rows.fill_s - fill0) / calls
-        out["forced_drafts"] = rows.forced - forced0
+        calls = max(rows.calls - before["calls"], 1)
+        out.update({name.replace("_s", "_ms"): 1e3 * (getattr(rows, name) - before[name]) / calls for name in timers})
+        out["forced_drafts"] = rows.forced - before["forced"]
     return out
 
 
@@ -125,6 +127,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--forced-only", action="store_true", help="only the forced-drafts comparison")
+    ap.add_argument("--cost-only", action="store_true", help="only the cost rows (no forced-drafts comparison)")
     ap.add_argument("--json", default=None, help="append the result rows to this file")
     args = ap.parse_args()
 
@@ -142,8 +145,9 @@ def main() -> None:
             llm = LLM(model=model, tokenizer=tokenizer, dtype=args.dtype, max_num_seqs=max(args.batch),
                       max_model_len=max_model_len, speculative_config=spec)
             rows += cost_rows(llm, args.batch, args.prompt_len, args.new_tokens)
-        forced_spec = {k: v for k, v in spec.items() if not k.startswith(("rejection", "synthetic"))}
-        rows += forced_rows(model, tokenizer, forced_spec, args.dtype, max(max_model_len, 640))
+        if not args.cost_only:
+            forced_spec = {k: v for k, v in spec.items() if not k.startswith(("rejection", "synthetic"))}
+            rows += forced_rows(model, tokenizer, forced_spec, args.dtype, max(max_model_len, 640))
     if args.json:
         with open(args.json, "a") as f:
             for row in rows:

@@ -93,9 +93,9 @@ class GrammarRows:
         self.compiles = 0  # grammars compiled so far (a cache miss each)
         self.forced_drafts, self.reasoning_parser = forced_drafts, reasoning_parser
         self.rows: dict[int, Row] = {}
-        # steps served, seconds the device waited on the host, seconds of mask filling (overlapped with
-        # the device), tokens the grammar drafted
-        self.calls, self.host_s, self.fill_s, self.forced = 0, 0.0, 0.0, 0
+        # steps served; seconds in `begin` and waiting in `finish` (the device waits on both); seconds of
+        # mask filling (beside the device's pass); tokens the grammar drafted
+        self.calls, self.begin_s, self.wait_s, self.fill_s, self.forced = 0, 0.0, 0.0, 0.0, 0
         self.next_id = self.next_ticket = 0
         self.pending: dict[int, concurrent.futures.Future] = {}  # `begin`'s fills not yet finished
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
@@ -195,7 +195,7 @@ class GrammarRows:
             ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
             self.pending[ticket] = self.worker.submit(self._fill, B, k, rows, walks, heads)
         self.calls += 1
-        self.host_s += time.perf_counter() - t0
+        self.begin_s += time.perf_counter() - t0
         return np.int32(ticket), drafts, n_draft
 
     def finish(self, ticket, after=None):
@@ -207,7 +207,7 @@ class GrammarRows:
         with self.lock:
             fill = self.pending.pop(int(ticket))
         masks, failed = fill.result()
-        self.host_s += time.perf_counter() - t0
+        self.wait_s += time.perf_counter() - t0
         return masks, failed
 
     def _fill(self, B: int, k: int, rows, walks, heads) -> tuple[np.ndarray, np.ndarray]:
