@@ -246,12 +246,11 @@ class DFlashLayer(nnx.Module):
              for _ in range(2)] if cfg.conv_kernel_size else (None, None))
 
     def __call__(self, x, positions, ctx_k, ctx_v, visible):
-        """x: [B, T, H] the block; ctx_k/v: [B, S, kv, d] the context slots; visible: [B, T, S + T]
+        """x: [B, T, H] the block; ctx_k/v: [B, kv, S, d] the context slots; visible: [B, T, S + T]
         which context slots, then which block positions, each query sees."""
         h, coef = self._prepare(self.attention_conv, self.input_layernorm(x))
         q, _, k, v = self.self_attn.project_heads(h, positions)
-        keys, values = jnp.concatenate([ctx_k, k], axis=1), jnp.concatenate([ctx_v, v], axis=1)
-        h = self.self_attn.output(attend_masked(q, keys, values, visible), None)
+        h = self.self_attn.output(attend_masked(q, k, v, visible, context=(ctx_k, ctx_v)), None)
         x = x + self._finish(self.attention_conv, h, coef)
         h, coef = self._prepare(self.mlp_conv, self.post_attention_layernorm(x))
         return x + self._finish(self.mlp_conv, self.mlp(h), coef)
@@ -308,21 +307,22 @@ class DFlashDraft(nnx.Module):
         return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
     def init_cache(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
-        """Context K/V, one cache per run of layers with one mask (`attention_runs`):
-        [run layers, B, slots, kv, d], slots = max_len for full attention, the window for sliding."""
+        """Context K/V, one cache per run of layers with one mask (`attention_runs`), head-major:
+        [run layers, B, kv, slots, d], slots = max_len for full attention, the window for sliding."""
         c = self.cfg
 
         def zeros(first, stop, att):
-            shape = (stop - first, batch, att.ring_size(max_len), c.num_key_value_heads, c.head_dim)
+            shape = (stop - first, batch, c.num_key_value_heads, att.ring_size(max_len), c.head_dim)
             return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
 
         return tuple(zeros(*run) for run in c.attention_runs())
 
     def context_kv(self, taps, positions):
-        """taps [B, T, n*H] (target layer outputs) at positions [B, T] -> K, V [layers, B, T, kv, d]."""
+        """taps [B, T, n*H] (target layer outputs) at positions [B, T] -> K, V [layers, B, kv, T, d]
+        (head-major, as the cache holds them)."""
         ctx = self.hidden_norm(self.fc(taps.astype(self.dtype)))
         _, (k, v) = self._scan(lambda layer, c: (c, layer.self_attn.keys_values(ctx, positions)), (), None)
-        return k, v
+        return jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
 
     def write_context(self, cache: tuple[KVCache, ...], taps, start, n_valid) -> tuple[KVCache, ...]:
         """The context K/V of taps [B, T, n*H] at positions start [B] + t, for t < n_valid [B],
@@ -338,7 +338,7 @@ class DFlashDraft(nnx.Module):
         ctx_len [B] (what each layer's mask lets it see of them). Returns the post-norm hidden [B, T, H]."""
         x = x.astype(self.dtype)
         for (first, stop, att), c in zip(self.cfg.attention_runs(), cache):
-            held = ring_positions(ctx_len, c.k.shape[2])  # the position each context slot holds
+            held = ring_positions(ctx_len, c.k.shape[3])  # the position each context slot holds
             visible = att.block_visible(positions, held, ctx_len)
 
             def layer_fn(layer, x, k, v, visible=visible):

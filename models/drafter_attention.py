@@ -18,7 +18,8 @@ transformers `Qwen3Config` derives:
   W context positions before its anchor and the whole block (causally or not), `from_anchor`.
 
 A sliding layer's keys live in a ring of R slots (R >= W plus what a step writes past the
-committed length), slot = position mod R: memory stays R per row however long the context.
+committed length), slot = position mod R: memory stays R per row however long the context. Rings
+are head-major, [G, B, kv, R, d], so that attention's batched dots read them in place.
 `ring_positions` says which position each slot holds when the positions below `start` were the
 last written; the ring is written only with real positions (`ring_write`), so a slot never holds
 padding. A full-attention cache is the same ring with R = the cache length.
@@ -114,11 +115,13 @@ def ring_positions(start: jax.Array, slots: int) -> jax.Array:
 
 
 def ring_write(cache: jax.Array, values: jax.Array, start: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """Write values [G, B, T, ...] at positions start [B] + t into cache [G, B, R, ...], slot =
-    position mod R, for t < n_valid [B] only, and of those the last R (a write of more than R
-    positions keeps the newest; padding is never written)."""
-    B, T, R = values.shape[1], values.shape[2], cache.shape[2]
+    """Write values [G, B, kv, T, d] at positions start [B] + t into the head-major cache
+    [G, B, kv, R, d], slot = position mod R, for t < n_valid [B] only, and of those the last R (a
+    write of more than R positions keeps the newest; padding is never written)."""
+    B, T, R = values.shape[1], values.shape[3], cache.shape[3]
     t = jnp.arange(T)[None, :]
     keep = (t < n_valid[:, None]) & (t >= n_valid[:, None] - R)
     slot = jnp.where(keep, jnp.mod(start[:, None] + t, R), R)  # R: out of range, dropped
-    return cache.at[:, jnp.arange(B)[:, None], slot].set(values.astype(cache.dtype), mode="drop")
+    # the two index arrays, split by a slice, lead the indexed shape: [B, T, G, kv, d]
+    updates = jnp.transpose(values, (1, 3, 0, 2, 4)).astype(cache.dtype)
+    return cache.at[:, jnp.arange(B)[:, None], :, slot].set(updates, mode="drop")

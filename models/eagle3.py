@@ -121,18 +121,18 @@ class Eagle3Layer(nnx.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual)), cache
 
     def windowed_attention(self, x, batch: Batch, cache: KVCache):
-        """Causal sliding-window attention of x [B, T, 2H] over the ring cache [1, B, R, kv, d]
+        """Causal sliding-window attention of x [B, T, 2H] over the ring cache [1, B, kv, R, d]
         (positions below batch.start) and the new tokens, whose real ones are then written to
         the ring. Returns ([B, T, H], cache)."""
         positions = batch.positions_for(x.shape[1])
         q, _, k, v = self.self_attn.project_heads(x, positions)
         att = LayerAttention(self.cfg.sliding_window, causal=True)
-        held = ring_positions(batch.start, cache.k.shape[2])
+        held = ring_positions(batch.start, cache.k.shape[3])
         visible = jnp.concatenate([att.visible(positions, held), att.visible(positions, positions)], axis=2)
-        o = attend_masked(q, jnp.concatenate([cache.k[0], k.astype(cache.k.dtype)], axis=1),
-                          jnp.concatenate([cache.v[0], v.astype(cache.v.dtype)], axis=1), visible)
-        cache = KVCache(ring_write(cache.k, k[None], batch.start, batch.n_valid),
-                        ring_write(cache.v, v[None], batch.start, batch.n_valid))
+        k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        o = attend_masked(q, k, v, visible, context=(cache.k[0], cache.v[0]))
+        cache = KVCache(ring_write(cache.k, jnp.swapaxes(k, 1, 2)[None], batch.start, batch.n_valid),
+                        ring_write(cache.v, jnp.swapaxes(v, 1, 2)[None], batch.start, batch.n_valid))
         return self.self_attn.output(o, None), cache
 
 
@@ -149,11 +149,15 @@ class Eagle3Draft(nnx.Module):
         self.d2t = nnx.Param(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
 
     def init_cache(self, batch: int, max_len: int, k: int = 0) -> KVCache:
-        """[1, B, slots, kv, d]: max_len slots, or with a sliding window the window plus the k
-        positions a step drafts past the committed length (their stale keys must fall outside
-        every later query's window)."""
-        slots = LayerAttention(self.cfg.sliding_window).ring_size(max_len, extra=k)
-        shape = (1, batch, slots, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        """Full attention: the target's layout, [1, B, max_len, kv, d]. A sliding window: a
+        head-major ring [1, B, kv, slots, d] of the window plus the k positions a step drafts past
+        the committed length (their stale keys must fall outside every later query's window)."""
+        c = self.cfg
+        if c.sliding_window is None:
+            shape = (1, batch, max_len, c.num_key_value_heads, c.head_dim)
+        else:
+            slots = LayerAttention(c.sliding_window).ring_size(max_len, extra=k)
+            shape = (1, batch, c.num_key_value_heads, slots, c.head_dim)
         return KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
 
     def embed(self, tokens, target_embed):

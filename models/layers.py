@@ -285,35 +285,47 @@ def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float
 QUERY_BLOCK = 1024
 
 
-def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, context=None) -> jax.Array:
     """GQA attention with an explicit mask. q: [B, T, nq, d]; k, v: [B, S, nkv, d]; visible:
-    [B, T, S] bool. Returns [B, T, nq, d]. Past QUERY_BLOCK queries, block by block (each query's
-    softmax is its own, so the result is the same). In batch-invariant mode row by row, each
-    row's queries in fixed tiles."""
+    [B, T, S] bool. Returns [B, T, nq, d]. context: a cache (ctx_k, ctx_v) [B, nkv, C, d] of keys
+    before k, v, head-major so that the batched dots read it in place (never concatenated with
+    k, v: that would copy the whole cache a call); visible is then [B, T, C + S]. Past QUERY_BLOCK
+    queries, block by block (each query's softmax is its own, so the result is the same). In
+    batch-invariant mode row by row, each row's queries in fixed tiles."""
     B, T = q.shape[:2]
+    ctx = () if context is None else tuple(context)
     if invariant_rows() is not None:
         def one_row(args):
-            qb, kb, vb, seen = args
-            return row_tiled(lambda qt, st: attend_block(qt[None], kb[None], vb[None], st[None])[0], qb, seen, lead=1)
+            qb, kb, vb, seen, *cb = args
+            def tile(qt, st):
+                return attend_block(qt[None], kb[None], vb[None], st[None], [c[None] for c in cb] or None)[0]
+            return row_tiled(tile, qb, seen, lead=1)
 
-        return jax.lax.map(one_row, (q, k, v, visible))
+        return jax.lax.map(one_row, (q, k, v, visible, *ctx))
     if T <= QUERY_BLOCK or T % QUERY_BLOCK:
-        return attend_block(q, k, v, visible)
+        return attend_block(q, k, v, visible, context)
     n = T // QUERY_BLOCK
     blocks = lambda x: jnp.moveaxis(x.reshape(B, n, QUERY_BLOCK, *x.shape[2:]), 1, 0)  # noqa: E731
-    out = jax.lax.map(lambda qv: attend_block(qv[0], k, v, qv[1]), (blocks(q), blocks(visible)))
+    out = jax.lax.map(lambda qv: attend_block(qv[0], k, v, qv[1], context), (blocks(q), blocks(visible)))
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
-def attend_block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-    """`attend_masked` over all queries at once."""
+def attend_block(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, context=None) -> jax.Array:
+    """`attend_masked` over all queries at once: the scores over the context (if any) and over k,
+    one softmax across both."""
     B, T, nq, d = q.shape
     nkv = k.shape[2]
     qg = q.reshape(B, T, nkv, nq // nkv, d)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32)
+    if context is not None:
+        ctx_scores = jnp.einsum("btgrd,bgsd->bgrts", qg, context[0], preferred_element_type=jnp.float32)
+        scores = jnp.concatenate([ctx_scores, scores], axis=-1)
+    scores = jnp.where(visible[:, None, None], scores * d**-0.5, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
+    C = scores.shape[-1] - k.shape[1]
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs[..., C:], v)
+    if context is not None:
+        out = out + jnp.einsum("bgrts,bgsd->btgrd", probs[..., :C], context[1])
     return out.reshape(B, T, nq, d)
 
 

@@ -73,8 +73,8 @@ def test_context_cache_holds_the_committed_prefix(tiny_llm, dflash_dir):
     out = model(state.tokens[:1, :n], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n])),
                 init_cache(model.cfg, 1, n, jnp.float32), kv_len=n, taps=DRAFTER.target_layer_ids)
     k, v = draft.context_kv(out.taps, jnp.arange(n)[None])
-    (ctx,) = state.proposer  # one full-attention run, K/V [layers, B, L, ...]
-    for got, want in ((ctx.k[:, :1, :n], k), (ctx.v[:, :1, :n], v)):
+    (ctx,) = state.proposer  # one full-attention run, K/V head-major [layers, B, kv, L, d]
+    for got, want in ((ctx.k[:, :1, :, :n], k), (ctx.v[:, :1, :, :n], v)):
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
 
 

@@ -206,7 +206,7 @@ def test_bounded_cache_written_piecewise_matches_the_reference(block_case):
     c, T = 23, cfg.block_size
     taps, x = rng.normal(size=(c, 3 * 64)).astype(np.float32), rng.normal(size=(T, 64)).astype(np.float32)
     cache = draft.init_cache(1, 64)
-    assert [run.k.shape[2] for run in cache] == [m[0] or 64 for m in dict.fromkeys(masks)]  # the window, or all
+    assert [run.k.shape[3] for run in cache] == [m[0] or 64 for m in dict.fromkeys(masks)]  # the window, or all
     cache = draft.write_context(cache, jnp.asarray(taps[None, :9]), jnp.asarray([0]), jnp.asarray([9]))
     for start in range(9, c, 2):  # three positions written, two of them committed
         chunk = np.pad(taps[start:start + 3], ((0, 3 - len(taps[start:start + 3])), (0, 0)))
@@ -244,9 +244,9 @@ def test_a_sliding_cache_does_not_grow_with_the_context(tmp_path):
     draft, _ = load_dflash(write_dflash_checkpoint(tmp_path / "m", BLOCK_CASES["dflash-mixed-SSSSF"][0]), TINY)
     for max_len in (64, 1 << 20):
         sliding, full = jax.eval_shape(lambda n=max_len: draft.init_cache(1, n))
-        assert sliding.k.shape == (4, 1, 6, 2, 16) and full.k.shape == (1, 1, max_len, 2, 16)
+        assert sliding.k.shape == (4, 1, 2, 6, 16) and full.k.shape == (1, 1, 2, max_len, 16)  # head-major
     head, _ = load_eagle3(write_eagle3_checkpoint(tmp_path / "e", HEAD), TINY)
-    assert jax.eval_shape(lambda: head.init_cache(1, 1 << 20, k=3)).k.shape == (1, 1, 4 + 3, 2, 16)
+    assert jax.eval_shape(lambda: head.init_cache(1, 1 << 20, k=3)).k.shape == (1, 1, 2, 4 + 3, 16)
 
 
 @pytest.mark.parametrize("keys, causal", [
@@ -349,7 +349,7 @@ def test_sliding_head_resolves_and_its_ring_matches_the_reference(head_dir):
     n = 19
     emb, hid = rng.normal(size=(2, 1, n, 64)).astype(np.float32)
     cache = head.init_cache(1, 64, k=3)
-    assert cache.k.shape[2] == 4 + 3
+    assert cache.k.shape[3] == 4 + 3
     pre, cache = head.run(jnp.asarray(emb[:, :7]), jnp.asarray(hid[:, :7]), Batch(jnp.asarray([0]), jnp.asarray([7])),
                           cache, 64)
     outs = [pre[0]]
