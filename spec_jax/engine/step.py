@@ -44,14 +44,18 @@ def grammar_begin(grammars, sampling: RowSampling, done, tokens, lengths, drafts
     the compiled step, before its target pass): tokens [B, L] each row's buffer holding lengths [B]
     tokens, the last `recent` of which the matchers may not have seen; drafts [B, k] and n_draft [B]
     the proposer's; limit [B] the most drafts a row may verify. Returns (ticket [] int32, drafts
-    [B, k], n_draft [B]); `grammar_finish(ticket)` gives the masks."""
+    [B, k], n_draft [B], tokens): `grammar_finish(ticket)` gives the masks, and the tokens come
+    back ordered after the callback, so that a pass reading them (a one-token pass, which reads no
+    draft) runs after it, while the host fills the masks."""
     B, k = drafts.shape
     idx = jnp.maximum(lengths[:, None] - recent + jnp.arange(recent)[None, :], 0)
     window = jnp.take_along_axis(tokens, idx, axis=1)
     ids = jnp.where(done, -1, sampling.grammar)
     shapes = (jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((B, k), jnp.int32),
               jax.ShapeDtypeStruct((B,), jnp.int32))
-    return io_callback(grammars.begin, shapes, ids, lengths, window, drafts, n_draft, limit)
+    ticket, drafts, n_draft = io_callback(grammars.begin, shapes, ids, lengths, window, drafts, n_draft, limit)
+    ticket, tokens = jax.lax.optimization_barrier((ticket, tokens))
+    return ticket, drafts, n_draft, tokens
 
 
 def grammar_finish(grammars, ticket, raw: jax.Array, positions: int):
@@ -112,7 +116,7 @@ def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, last, prompts, 
     logits = process_logits(raw, sampling, prompt_lengths, history)
     if constrained(sampling, grammars):
         zero = prompt_lengths * 0
-        ticket, _, _ = grammar_begin(grammars, sampling, done, prompts, prompt_lengths, no_drafts(prompt_lengths),
+        ticket, *_ = grammar_begin(grammars, sampling, done, prompts, prompt_lengths, no_drafts(prompt_lengths),
                                      zero, zero, recent=0)
         logits = apply_token_masks(logits, grammar_finish(grammars, ticket, raw, 1)[0][:, 0])
     first = sample_tokens(logits, sampling, prompt_lengths, do_sample=do_sample)
@@ -167,8 +171,9 @@ def decode_step(model: Qwen3_5Model, draft, state: DecodeState, *, do_sample: bo
     masks_of = None
     if constrained(state.sampling, grammars):
         zero = jnp.zeros_like(state.lengths)
-        ticket, _, _ = grammar_begin(grammars, state.sampling, state.done, state.tokens, state.lengths,
-                                     no_drafts(state.lengths), zero, zero, recent=1)
+        ticket, _, _, tokens = grammar_begin(grammars, state.sampling, state.done, state.tokens, state.lengths,
+                                             no_drafts(state.lengths), zero, zero, recent=1)
+        state = dataclasses.replace(state, tokens=tokens)
         masks_of = lambda raw: grammar_finish(grammars, ticket, raw, 1)[0][:, 0]  # noqa: E731
     nxt, out, raw = decode_one(model, state, (), do_sample=do_sample, masks_of=masks_of)
     state = append_tokens(state, nxt[:, None], jnp.ones_like(nxt), out.cache, raw[:, None])
@@ -276,8 +281,10 @@ def step_at_width(model: Qwen3_5Model, draft, state: DecodeState, limit, *, plan
     newest = state.tokens[rows, state.lengths - 1]
     ticket = None
     if constrained(state.sampling, grammars):  # the last step may have written up to k + 1 tokens
-        ticket, forced, n_forced = grammar_begin(grammars, state.sampling, state.done, state.tokens, state.lengths,
-                                                 drafts, n_draft, jnp.minimum(limit, width), recent=k + 1)
+        ticket, forced, n_forced, tokens = grammar_begin(grammars, state.sampling, state.done, state.tokens,
+                                                         state.lengths, drafts, n_draft, jnp.minimum(limit, width),
+                                                         recent=k + 1)
+        state = dataclasses.replace(state, tokens=tokens)
         if q is not None:  # a token the grammar put in place is drafted with certainty
             replaced = (forced != drafts) | (jnp.arange(width)[None, :] >= n_draft[:, None])
             q = jnp.where(replaced[..., None], jax.nn.one_hot(forced, q.shape[-1], dtype=q.dtype), q)
