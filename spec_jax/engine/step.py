@@ -117,7 +117,7 @@ def start_decode(model: Qwen3_5Model, draft, target: ForwardOut, last, prompts, 
     if constrained(sampling, grammars):
         zero = prompt_lengths * 0
         ticket, *_ = grammar_begin(grammars, sampling, done, prompts, prompt_lengths, no_drafts(prompt_lengths),
-                                     zero, zero, recent=0)
+                                   zero, zero, recent=0)
         logits = apply_token_masks(logits, grammar_finish(grammars, ticket, raw, 1)[0][:, 0])
     first = sample_tokens(logits, sampling, prompt_lengths, do_sample=do_sample)
     tokens = jnp.zeros((B, cache_len), jnp.int32).at[:, :T].set(prompts)
