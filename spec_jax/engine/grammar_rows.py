@@ -153,13 +153,6 @@ class GrammarRows:
             for i in ids:
                 self.rows.pop(int(i), None)
 
-    def step(self, ids, lengths, recent, drafts, n_draft, limit):
-        """One step's grammar work at once: `begin` and then `finish`. Returns masks [B, k+1, W]
-        int32, drafts [B, k] and n_draft [B] (a row whose grammar failed verifies none)."""
-        ticket, drafts, n_draft = self.begin(ids, lengths, recent, drafts, n_draft, limit)
-        masks, failed = self.finish(ticket)
-        return masks, drafts, np.where(failed, 0, n_draft).astype(np.int32)
-
     def begin(self, ids, lengths, recent, drafts, n_draft, limit):
         """The first half of a step's grammar work, called from the compiled step before its target
         pass: catch the matchers up and walk the drafts. The masks are filled on a worker thread

@@ -40,8 +40,12 @@ def reference_mask(rows: GrammarRows, params, consumed: list[int]) -> np.ndarray
 
 
 def call(rows, ids, lengths, recent, drafts, n_draft, limit):
-    return rows.step(np.asarray(ids, np.int32), np.asarray(lengths, np.int32), np.asarray(recent, np.int32),
-                     np.asarray(drafts, np.int32), np.asarray(n_draft, np.int32), np.asarray(limit, np.int32))
+    """One step's grammar work as the compiled step does it: `begin`, then `finish` -> (masks,
+    drafts, n_draft), a row whose grammar failed verifying none."""
+    ticket, drafts, n_draft = rows.begin(*(np.asarray(x, np.int32) for x in (ids, lengths, recent, drafts, n_draft,
+                                                                             limit)))
+    masks, failed = rows.finish(ticket)
+    return masks, drafts, np.where(failed, 0, n_draft)
 
 
 def test_forbidden_drafts_are_cut_and_forced_tokens_drafted(rows, tokenizer):
