@@ -14,7 +14,26 @@ from safetensors.numpy import load_file, save_file
 # kernels included; the few that generate thousands of tokens run slower). Flags the caller set
 # come after these, so theirs win.
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+WORKER_CPUS = "SPEC_JAX_TEST_WORKER_CPUS"  # the CPUs this xdist worker keeps to, once it took them
 
+
+def keep_to_this_workers_cpus() -> None:
+    """Under pytest-xdist, each worker runs on its own share of the CPUs (every n-th, n workers).
+    XLA's CPU runtime splits a program over as many threads as its process may use CPUs; two
+    workers splitting theirs over the same two cores wait on threads the other keeps off the CPU:
+    2048 sampled requests ran 10x slower beside another busy process than on one core of their own.
+    Processes a test starts (notebook kernels, the multi-device runs) inherit the share, and a
+    pytest among them keeps it (WORKER_CPUS says it was taken)."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker is None or workers is None or WORKER_CPUS in os.environ or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = cpus[int(worker.removeprefix("gw")) % len(cpus)::int(workers)]
+    os.sched_setaffinity(0, share)
+    os.environ[WORKER_CPUS] = ",".join(map(str, share))
+
+
+keep_to_this_workers_cpus()  # before JAX starts: it sizes its thread pools then
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SPEC_JAX_XLA_CACHE", str(Path(__file__).parent.parent / ".venv" / "xla-cache"))
 if FAST_COMPILE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once: a pytest started from a test sees them set
