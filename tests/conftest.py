@@ -36,6 +36,9 @@ def keep_to_this_workers_cpus() -> None:
 keep_to_this_workers_cpus()  # before JAX starts: it sizes its thread pools then
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SPEC_JAX_XLA_CACHE", str(Path(__file__).parent.parent / ".venv" / "xla-cache"))
+# Every program goes to the persistent cache, not only those that compile for a second or more (the
+# runtime's rule): the suite compiles thousands of small programs, many of them again in another test.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if FAST_COMPILE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once: a pytest started from a test sees them set
     os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 

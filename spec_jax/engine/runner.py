@@ -46,10 +46,13 @@ def bucket(n: int, lo: int, hi: int) -> int:
 
 
 def enable_compilation_cache() -> None:
-    """Persist compiled executables across processes (override the folder with SPEC_JAX_XLA_CACHE)."""
+    """Persist compiled executables across processes (override the folder with SPEC_JAX_XLA_CACHE):
+    those that took a second or more to compile, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+    says otherwise."""
     folder = os.environ.get("SPEC_JAX_XLA_CACHE", os.path.expanduser("~/.cache/spec_jax/xla"))
     jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def read_inputs(jaxpr, n: int) -> list[int]:
