@@ -6,7 +6,7 @@ scoring what their proposers draft, and the random fallback."""
 import json
 
 import pytest
-from helpers import FIXTURES
+from helpers import FIXED_K, FIXTURES
 
 from spec_jax import LLM, SamplingParams, default_model
 
@@ -44,7 +44,7 @@ def test_every_trained_drafter_keeps_greedy_output_exact(trained_dir):
                  {"method": "dflash", "model": str(trained_dir / "dflash"), "num_speculative_tokens": block - 1},
                  {"method": "eagle3", "model": str(trained_dir / "eagle3"), "num_speculative_tokens": 3},
                  {"method": "draft_model", "model": str(trained_dir / "draft"), "num_speculative_tokens": 3}):
-        spec_llm = llm.with_speculation(spec)
+        spec_llm = llm.with_speculation({**spec, **FIXED_K})
         outs = spec_llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == reference, spec
         assert spec_llm.metrics["num_drafts"] > 0
@@ -55,7 +55,7 @@ def test_mtp_acceptance_on_heldout_code_stays_above_the_training_floor(trained_d
     assert log["target"]["best"]["code_mtp_agree"] >= MTP_ACCEPTANCE_FLOOR
     prompt = json.loads(HELDOUT_CODE.read_text())["prompt_ids"]
     llm = LLM(model=str(trained_dir), dtype="float32", max_model_len=256, max_num_seqs=1,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1, **FIXED_K})
     llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=48, temperature=0.0))
     assert llm.metrics["acceptance_rate"] >= MTP_ACCEPTANCE_FLOOR, llm.metrics
 
