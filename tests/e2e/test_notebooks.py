@@ -22,6 +22,10 @@ NOTEBOOKS = ROOT / "notebooks"
 # as they use its shapes (max_model_len 128, batches of two; also test_default_trained's, whose
 # executables they reuse when the trained default ships).
 BUDGET_S = {"quickstart": 120, "acceptance_study": 240, "kernels_walkthrough": 90}
+# A smaller setting of a notebook's cells, run here after its cell tagged "parameters" (papermill's
+# convention): the acceptance study measures one k per method, the programs the quickstart compiled
+# (each deeper k compiles another).
+SMALLER = {"acceptance_study": "NGRAM_KS, MTP_KS = (3,), (2,)"}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,9 @@ def test_notebook_runs_without_error(name, kernel_specs):
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(not c.outputs and c.execution_count is None for c in code), f"{name}.ipynb is committed with outputs"
+    if name in SMALLER:
+        (at,) = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+        nb.cells.insert(at + 1, nbformat.v4.new_code_cell(SMALLER[name]))
     deadline = time.monotonic() + BUDGET_S[name]
     client = NotebookClient(nb, km=AsyncKernelManager(kernel_name="spec_jax", kernel_spec_manager=kernel_specs),
                             timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
