@@ -3,6 +3,7 @@ config, and greedy equality with speculation off."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,14 +45,15 @@ def test_a_row_takes_the_suffix_draft_where_it_expects_k_tokens():
     lengths = jnp.asarray([30, 12, 9])
     combined = CombinedProposer(CountingDrafter(3), SuffixProposer(24))
     assert combined.k == 24
-    state = combined.init_state(None, None, jnp.asarray(rows), lengths, None, None)
-    drafts, n, q, state = combined.propose(None, None, state, jnp.asarray(rows), lengths, None)
+    # Each method compiled whole, as the engine's step runs it (an op at a time: hundreds of compiles)
+    state = jax.jit(combined.init_state)(None, None, jnp.asarray(rows), lengths, None, None)
+    drafts, n, q, state = jax.jit(combined.propose)(None, None, state, jnp.asarray(rows), lengths, None)
     assert q is None and drafts.shape == (3, 24)
     # row 0: its 10-token match occurs twice before (probability 2/3 a token, score 6.7)
     assert np.asarray(n).tolist() == [10, 3, 3]
     assert np.asarray(drafts[0, :10]).tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     assert np.asarray(drafts[1:, :3]).tolist() == [[100, 101, 102]] * 2
-    state = combined.update(None, None, state, None, drafts, jnp.asarray([5, 0, 1]), lengths, None)
+    state = jax.jit(combined.update)(None, None, state, None, drafts, jnp.asarray([5, 0, 1]), lengths, None)
     assert np.asarray(state[0]).tolist() == [6, 1, 2]  # the model drafter follows every row
     assert isinstance(state[1], OutputCache)
 
@@ -59,8 +61,8 @@ def test_a_row_takes_the_suffix_draft_where_it_expects_k_tokens():
 def test_draft_probabilities_are_one_hot_on_suffix_rows():
     rows = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, 8] * 3, list(range(30, 54))], jnp.int32)
     combined = CombinedProposer(CountingDrafter(2, with_q=True), SuffixProposer(8))
-    state = combined.init_state(None, None, rows, jnp.asarray([24, 24]), None, None)
-    drafts, n, q, _ = combined.propose(None, None, state, rows, jnp.asarray([24, 24]), None)
+    state = jax.jit(combined.init_state)(None, None, rows, jnp.asarray([24, 24]), None, None)
+    drafts, n, q, _ = jax.jit(combined.propose)(None, None, state, rows, jnp.asarray([24, 24]), None)
     assert q.shape == (2, 8, 128) and int(n[0]) > 2
     assert np.allclose(q[0, 0], np.eye(128)[int(drafts[0, 0])]) and np.allclose(q[1, 0], 1 / 128)
 
