@@ -72,6 +72,7 @@ def inference_drafts(trained_dir, method: str, k: int):
     """The shipped `method` drafter's first greedy drafts on the held-out prompt, as the engine's
     proposer makes them: (llm, target model, drafts [1, k], P = prompt length, the prompt, the first
     generated token and the drafts as one sequence [1, P + 1 + k])."""
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -83,7 +84,8 @@ def inference_drafts(trained_dir, method: str, k: int):
     state = llm.prefill([prompt], SamplingParams(max_tokens=8, temperature=0.0))
     model, draft = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
     choose = drafting_policy(state.sampling, probabilistic=False, do_sample=False)
-    drafts = llm.engine.plan.proposer.propose(model, draft, state.proposer, state.tokens, state.lengths, choose)[0]
+    propose = jax.jit(lambda *a: llm.engine.plan.proposer.propose(*a, choose)[0])  # whole, as the step runs it
+    drafts = propose(model, draft, state.proposer, state.tokens, state.lengths)
     P = len(prompt)
     return llm, model, drafts, P, jnp.concatenate([state.tokens[:1, :P + 1], drafts[:1]], axis=1)
 
@@ -91,20 +93,22 @@ def inference_drafts(trained_dir, method: str, k: int):
 def test_dflash_training_objective_scores_the_block_inference_drafts(trained_dir):
     """The distillation loss looks at an anchor exactly as the proposer drafts there: feeding the
     proposer's first block back as labels, the training pass accepts all seven drafts."""
+    import jax
     import jax.numpy as jnp
 
     from spec_jax.loading.drafters import load_dflash
     from spec_jax.training.losses import dflash_loss
 
     llm, model, drafts, P, seqs = inference_drafts(trained_dir, "dflash", 7)  # the anchor: first generated at P
-    _, metrics = dflash_loss(load_dflash(trained_dir / "dflash", llm.cfg, jnp.float32)[0], model, seqs,
-                             jnp.asarray([[P]]), gamma=4.0)
+    _, metrics = jax.jit(dflash_loss)(load_dflash(trained_dir / "dflash", llm.cfg, jnp.float32)[0], model, seqs,
+                                      jnp.asarray([[P]]), gamma=4.0)
     assert float(metrics["accept_len"]) == 8.0, (drafts, metrics)
 
 
 def test_eagle3_training_objective_scores_the_chain_inference_drafts(trained_dir):
     """Training-time test runs the head as the chained proposer does: fed the proposer's three
     drafts, training step j's argmax at the row that drafts token P+1+j is draft j."""
+    import jax
     import jax.numpy as jnp
 
     from spec_jax.loading.drafters import load_eagle3
@@ -112,7 +116,7 @@ def test_eagle3_training_objective_scores_the_chain_inference_drafts(trained_dir
 
     llm, model, drafts, P, seqs = inference_drafts(trained_dir, "eagle3", 3)  # row P-1 drafts position P+1
     head = load_eagle3(trained_dir / "eagle3", llm.cfg, jnp.float32)[0]
-    outs = eagle3_steps(head, model, seqs, 3)
+    outs = jax.jit(eagle3_steps, static_argnums=3)(head, model, seqs, 3)
     target_ids = jnp.arange(head.cfg.draft_vocab_size) + head.d2t[...]
     trained = [int(target_ids[jnp.argmax(head.lm_head(head.norm(outs[j, 0, P - 1 + j])))]) for j in range(3)]
     assert trained == drafts[0].tolist()
