@@ -7,6 +7,7 @@ the device (`bench.models`), driven through `LLM.generate` as a user would.
     python -m bench.scale --geometry 0.8b --quantization nvfp4          # any geometry, any weight format
     python -m bench.scale --geometry 27b --batch 1 --methods mtp1 dflash # the method table (see spec_rows)
     python -m bench.scale --geometry 27b --batch --first-token --ttft 4096 16384   # compile time, prefill
+    python -m bench.scale --geometry 27b --batch 1 32 --mamba-ssm-cache-dtype bfloat16  # GDN state in 16 bits
 
 It first measures the device's copy rate and bf16 matmul rate (`bench.common.Ceilings`) and
 states every floor against those. Per batch size it prints the time per decode step inside the
@@ -37,6 +38,7 @@ from bench.common import Ceilings, peak_memory_GB
 from bench.models import (GEOMETRIES, active_params, expert_bytes, geometry_config, nbytes, random_drafter,
                           random_model, random_prompts, streamed_bytes)
 from bench.step_profile import busy_ns, summarize, trace_calls
+from models.qwen3_5 import STATE_DTYPES
 from pallas_kernels.quant_formats import FORMATS
 from proposers.ngram import NgramProposer
 from spec_jax import LLM, SamplingParams
@@ -305,6 +307,8 @@ def main() -> None:
                     help="cache length of the decode and method LLM (default: what the prompt and tokens need)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
                     help="the share of the card the JAX allocator may take (vLLM's option of that name)")
+    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *STATE_DTYPES],
+                    help="the dtype the GDN state is cached in (vLLM's option of that name)")
     args = ap.parse_args()
 
     claim_device_memory(args.gpu_memory_utilization)  # before the weights start the backend
@@ -319,7 +323,8 @@ def main() -> None:
     save = lambda: args.json and pathlib.Path(args.json).write_text(json.dumps(result, indent=1))  # noqa: E731
     llm = LLM(model=model, max_model_len=args.max_model_len or args.prompt_len + max(args.new_tokens,
                                                                                    args.spec_new_tokens) + 64,
-              max_num_seqs=max(args.batch, default=1), layout=args.layout)
+              max_num_seqs=max(args.batch, default=1), layout=args.layout,
+              mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     if args.first_token:
         result["first_token"] = first_token(llm, args.prompt_len)
         print(json.dumps(result["first_token"]), flush=True)

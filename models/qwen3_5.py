@@ -34,6 +34,9 @@ from pallas_kernels.rms_norm import rms_norm
 from pallas_kernels.tensor_parallel import constrain, on_axis
 
 LINEAR, FULL = "linear_attention", "full_attention"
+# What the GDN recurrent state may be stored in: each pass computes in float32 and rounds the
+# state it carries to this dtype after every token, as storing it would.
+STATE_DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
@@ -72,9 +75,12 @@ class Qwen3_5Config:
     mtp_num_hidden_layers: int = 0
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    mamba_ssm_dtype: str = "float32"  # the GDN recurrent state's dtype in the cache (math stays float32)
 
     def __post_init__(self):
         self._check_fields()
+        if self.mamba_ssm_dtype not in STATE_DTYPES:
+            raise ValueError(f"mamba_ssm_dtype={self.mamba_ssm_dtype!r}; expected one of {', '.join(STATE_DTYPES)}")
         if not self.layer_types:
             n = self.full_attention_interval
             kinds = tuple(FULL if (i + 1) % n == 0 else LINEAR for i in range(self.num_hidden_layers))
@@ -240,8 +246,8 @@ def init_cache(cfg: Qwen3_5Config, batch: int, max_len: int, dtype) -> ModelCach
         else:
             conv = jnp.zeros((G, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
             state_shape = (G, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-            out.append(GDNCache(constrain(conv, on_axis(4, 3)), constrain(jnp.zeros(state_shape, jnp.float32),
-                                                                         on_axis(5, 2))))
+            state = jnp.zeros(state_shape, cfg.mamba_ssm_dtype)
+            out.append(GDNCache(constrain(conv, on_axis(4, 3)), constrain(state, on_axis(5, 2))))
     return tuple(out)
 
 
@@ -378,6 +384,11 @@ class Qwen3_5Model(nnx.Module):
                     layer.fuse_projections()
         if self.mtp is not None:
             self.mtp.use_decode_layout(fuse)
+
+    def use_state_dtype(self, dtype: str) -> None:
+        """Keep the GDN recurrent state in `dtype` (one of `STATE_DTYPES`) in the caches this model
+        makes from now on: the engine's `mamba_ssm_cache_dtype`. In place."""
+        self.cfg = dataclasses.replace(self.cfg, mamba_ssm_dtype=dtype)
 
     def init_cache(self, batch: int, max_len: int) -> ModelCache:
         """Empty caches for `batch` rows of up to `max_len` tokens (see `init_cache`)."""

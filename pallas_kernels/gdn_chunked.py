@@ -40,9 +40,10 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk: int = CHUNK):
       v: [B, T, nv, dv].
       g: [B, T, nv] float32 log-decay (<= 0). beta: [B, T, nv] float32. A padded token has
         g = 0 and beta = 0, which leaves the state unchanged.
-      state: [B, nv, dk, dv] float32, the state before the first token.
+      state: [B, nv, dk, dv], the state before the first token, in its cache's dtype (the walk
+        carries it in float32 and returns it in that dtype).
     Returns:
-      o: [B, T, nv, dv] float32 and the final state [B, nv, dk, dv] float32.
+      o: [B, T, nv, dv] float32 and the final state [B, nv, dk, dv].
     """
     B, T, nv, dv = v.shape
     q, k = prepare_qk(q, k, nv)
@@ -83,7 +84,7 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk: int = CHUNK):
     final, o = jax.lax.scan(step, state.astype(jnp.float32), per_chunk)
     o = jnp.moveaxis(o, 0, 2)  # [B, nv, n, C, dv]
     o = jnp.moveaxis(o.reshape(B, nv, n * chunk, dv), 1, 2)[:, :T]
-    return o, final
+    return o, final.astype(state.dtype)
 
 
 def _dot(a, b, dt, precision):
@@ -160,7 +161,7 @@ def _state_kernel(u_ref, w_ref, k_ref, f_ref, G_ref, s0_ref, h_ref, v_new_ref, s
         update = _dot(k_ref[at, :].T, v_new * f_ref[at][:, None], dt, precision)
         return s * jnp.exp(G_ref[n * chunk + chunk - 1]) + update
 
-    s_ref[...] = jax.lax.fori_loop(0, h_ref.shape[0], one_chunk, s0_ref[...].astype(jnp.float32))
+    s_ref[...] = jax.lax.fori_loop(0, h_ref.shape[0], one_chunk, s0_ref[...].astype(jnp.float32)).astype(s_ref.dtype)
 
 
 def _output_kernel(q_ref, k_ref, G_ref, h_ref, v_new_ref, o_ref, *, dt, precision):
@@ -243,13 +244,13 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, operands=jnp.float32, block_v
     h, v_new, final = pl.pallas_call(
         functools.partial(_state_kernel, chunk=CHUNK, **kw),
         out_shape=[jax.ShapeDtypeStruct((B, nv, n, dk, dv), dt), inter(dv),
-                   jax.ShapeDtypeStruct(state.shape, jnp.float32)],
+                   jax.ShapeDtypeStruct(state.shape, state.dtype)],
         grid=(B * nv, dv // block_v),
         in_specs=[value_cols, all_tokens(dk), keys, key_factors, whole_gate, by_state],
         out_specs=[pl.BlockSpec((None, None, n, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, 0, iv)),
                    value_cols, by_state],
         compiler_params=params(state_stages, state_warps), interpret=interpret, name="gdn_chunked_state",
-    )(u, w, k, f, G, state.astype(jnp.float32))
+    )(u, w, k, f, G, state)
 
     o = pl.pallas_call(
         functools.partial(_output_kernel, **kw),

@@ -31,3 +31,10 @@ def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array,
     q = l2norm(q) * (q.shape[-1] ** -0.5)
     k = l2norm(k)
     return jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+
+
+def as_stored(s: jax.Array, dtype) -> jax.Array:
+    """float32 state s as a cache of `dtype` holds it (rounded, still float32): a pass carries its
+    state across tokens as it would be read back after each, so verifying a draft gives what
+    decoding it alone gives."""
+    return s if jnp.dtype(dtype) == jnp.float32 else s.astype(dtype).astype(jnp.float32)

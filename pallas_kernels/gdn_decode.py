@@ -51,11 +51,11 @@ def _decode_kernel(q_seq, k_seq, v_seq, q_w, k_w, v_w, b_ref, a_ref, a_log_ref, 
     valid = valid_ref[...]
     beta = jax.nn.sigmoid(b_ref[...].astype(jnp.float32)) * valid
     decay = -jnp.exp(a_log_ref[...]) * jax.nn.softplus(a_ref[...].astype(jnp.float32) + dt_bias_ref[...]) * valid
-    s = s0_ref[tile] * jnp.exp(decay)
+    s = s0_ref[tile].astype(jnp.float32) * jnp.exp(decay)
     delta = (v - jnp.sum(s * k[:, None], axis=0)) * beta
     s = s + k[:, None] * delta[None, :]
     o_ref[...] = jnp.sum(s * q[:, None], axis=0)
-    s_ref[tile] = s
+    s_ref[tile] = s.astype(s_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "interpret"))
@@ -71,14 +71,13 @@ def gdn_decode_pallas(seq, conv_w, b, a, A_log, dt_bias, valid, states, g, *, nu
       conv_w: [C, K] the depthwise convolution's taps.
       b, a: [B, nv] the write-strength and decay projections. A_log, dt_bias: [nv] float32.
       valid: [B] bool, rows whose token counts this step.
-      states: [G, B, nv, dk, dv] float32, the layer's pattern position's states (donate them).
+      states: [G, B, nv, dk, dv] the layer's pattern position's states (donate them), in the
+        cache's dtype: float32, or bfloat16 / float16 (read into float32, written back rounded).
       g: int32 scalar, the repeat whose state this layer holds.
       num_k_heads: nk.
     Returns:
       o [B, nv, dv] float32 and the states with repeat g's advanced [G, B, nv, dk, dv].
     """
-    if states.dtype != jnp.float32:
-        raise ValueError(f"GDN states must be float32, got {states.dtype}")
     B, K, _ = seq.shape
     _, _, nv, dk, dv = states.shape
     nk, bv = num_k_heads, BLOCK_V
@@ -111,7 +110,7 @@ def gdn_decode_pallas(seq, conv_w, b, a, A_log, dt_bias, valid, states, g, *, nu
                 taps(dk, q_block), taps(dk, k_block), taps(bv, v_block),
                 row_head, row_head, head, head, row, whole((1,)), whole(states.shape)]
     out_specs = [pl.BlockSpec((None, None, bv), lambda bh, iv: (bh // nv, bh % nv, iv)), whole(states.shape)]
-    out_shape = [jax.ShapeDtypeStruct((B, nv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((B, nv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, states.dtype)]
     return pl.pallas_call(
         functools.partial(_decode_kernel, nv=nv, bv=bv),
         out_shape=out_shape,

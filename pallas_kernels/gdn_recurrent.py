@@ -1,8 +1,11 @@
 """Gated delta rule, one token at a time: decode (T = 1) and speculative verify (T = k + 1).
 
-Per value head, with state S [dk, dv] in float32:
+Per value head, with state S [dk, dv] computed in float32:
     S = exp(g_t) * S;  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
-q and k are L2-normalised (q also scaled by dk^-1/2) inside the op.
+q and k are L2-normalised (q also scaled by dk^-1/2) inside the op. The state comes and goes in
+its cache's dtype (float32, or bfloat16 / float16: `mamba_ssm_cache_dtype`); a pass rounds the
+state it carries to that dtype after every token (`as_stored`), so a verify pass's token t sees
+the state a decode step would have read.
 
 `gdn_recurrent` is the dispatcher the model calls: the Pallas (Triton) kernel on a GPU, the
 pure-JAX reference elsewhere. The kernel runs one program per (row, value head, block of BV
@@ -19,7 +22,7 @@ from jax.experimental.pallas import triton as plt
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.batch_invariant import invariant_rows
-from pallas_kernels.gdn_common import L2_EPS, prepare_qk
+from pallas_kernels.gdn_common import L2_EPS, as_stored, prepare_qk
 from pallas_kernels.tensor_parallel import on_axis, per_device
 
 # Verify passes up to k = 31 drafts run unrolled and in the kernel (DSpark's block 16 verifies
@@ -43,16 +46,17 @@ def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = Fals
       v: [B, T, nv, dv].
       g: [B, T, nv] float32 log-decay (<= 0). beta: [B, T, nv] float32 write strength.
         A padded token has g = 0 and beta = 0, which leaves the state unchanged.
-      state: [B, nv, dk, dv] float32, the state before the first token.
+      state: [B, nv, dk, dv], the state before the first token, in its cache's dtype.
       keep_states: also return the state after every token (what speculative rollback selects).
       unroll: run the tokens unrolled (True) or as a loop (False); None: unrolled up to
         `unroll_limit()` tokens.
     Returns:
       o: [B, T, nv, dv] float32; the final state [B, nv, dk, dv]; and, with keep_states,
-      the per-token states [B, T, nv, dk, dv].
+      the per-token states [B, T, nv, dk, dv] (states in the given state's dtype).
     """
     q, k = prepare_qk(q, k, v.shape[2])
     v = v.astype(jnp.float32)
+    stored = state.dtype
 
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B, nv, d*], [B, nv]
@@ -61,14 +65,15 @@ def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = Fals
         delta = (v_t - kv_mem) * b_t[..., None]
         s = s + jnp.einsum("bhk,bhv->bhkv", k_t, delta)
         o_t = jnp.einsum("bhkv,bhk->bhv", s, q_t)
-        return s, (o_t, s) if keep_states else (o_t, None)
+        s = as_stored(s, stored)
+        return s, (o_t, s.astype(stored)) if keep_states else (o_t, None)
 
     time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
     # Decode and verify run a handful of tokens: unrolled, XLA fuses the steps instead of
     # launching a loop iteration's kernels per token.
     unroll = q.shape[1] <= unroll_limit() if unroll is None else unroll
     final, (o, states) = jax.lax.scan(step, state.astype(jnp.float32), time_major, unroll=unroll)
-    o = jnp.moveaxis(o, 0, 1)
+    o, final = jnp.moveaxis(o, 0, 1), final.astype(stored)
     if keep_states:
         return o, final, jnp.moveaxis(states, 0, 1)
     return o, final
@@ -77,12 +82,13 @@ def gdn_recurrent_reference(q, k, v, g, beta, state, *, keep_states: bool = Fals
 def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, repeat_ref, s0_ref, o_ref, *out_refs, T: int, nv: int,
                       stacked: bool, final_state: bool):
     """One (row, value head, value block): q/k [Tp, dk], v [Tp, BV], g/beta [Tp], state [dk, BV]
-    (stacked: the whole [G, B, nv, dk, dv] buffer, of which it reads the tile of repeat_ref[0]).
-    out_refs: the final state's tile (final_state), then the per-token states [Tp, dk, BV]."""
+    (stacked: the whole [G, B, nv, dk, dv] buffer, of which it reads the tile of repeat_ref[0]), in
+    the cache's dtype. out_refs: the final state's tile (final_state), then the per-token states
+    [Tp, dk, BV]. The tile is carried in float32, rounded to the cache's dtype after each token."""
     if stacked:
         bh, iv = pl.program_id(0), pl.program_id(1)
         bv = o_ref.shape[-1]
-        s = s0_ref[repeat_ref[0], bh // nv, bh % nv, :, pl.ds(iv * bv, bv)]
+        s = s0_ref[repeat_ref[0], bh // nv, bh % nv, :, pl.ds(iv * bv, bv)].astype(jnp.float32)
     else:
         s = s0_ref[...].astype(jnp.float32)
     states_ref = out_refs[1:] if final_state else out_refs
@@ -96,10 +102,11 @@ def _recurrent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, repeat_ref, s0_ref, 
         delta = (v_ref[t, :].astype(jnp.float32) - jnp.sum(s * k_t[:, None], axis=0)) * beta_ref[t]
         s = s + k_t[:, None] * delta[None, :]
         o_ref[t, :] = jnp.sum(s * q_t[:, None], axis=0).astype(o_ref.dtype)
+        s = as_stored(s, s0_ref.dtype)
         if states_ref:
-            states_ref[0][t, :, :] = s
+            states_ref[0][t, :, :] = s.astype(states_ref[0].dtype)
     if final_state:
-        out_refs[0][...] = s
+        out_refs[0][...] = s.astype(out_refs[0].dtype)
 
 
 def next_pow2(n: int) -> int:
@@ -138,10 +145,10 @@ def gdn_recurrent_pallas(q, k, v, g, beta, state, repeat=None, *, keep_states: b
     whole = lambda shape: pl.BlockSpec(shape, lambda bh, iv: (0,) * len(shape))  # noqa: E731  (indexed in-kernel)
     out_shape, out_specs = [jax.ShapeDtypeStruct((B, nv, Tp, dv), jnp.float32)], [by_value]
     if final_state:
-        out_shape.append(jax.ShapeDtypeStruct(state.shape, jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct(state.shape, state.dtype))
         out_specs.append(by_state)
     if keep_states:
-        out_shape.append(jax.ShapeDtypeStruct((B, nv, Tp, dk, dv), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((B, nv, Tp, dk, dv), state.dtype))
         out_specs.append(pl.BlockSpec((None, None, Tp, dk, block_v), lambda bh, iv: (bh // nv, bh % nv, 0, 0, iv)))
     repeat = jnp.asarray(0 if repeat is None else repeat, jnp.int32).reshape(1)
     outs = pl.pallas_call(
@@ -155,7 +162,7 @@ def gdn_recurrent_pallas(q, k, v, g, beta, state, repeat=None, *, keep_states: b
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="gdn_recurrent",
-    )(q, k, v, g, beta, repeat, state.astype(jnp.float32))
+    )(q, k, v, g, beta, repeat, state)
     o = jnp.moveaxis(outs[0], 1, 2)[:, :T]
     final = outs[1] if final_state else None
     if keep_states:
@@ -206,7 +213,7 @@ def gdn_verify(q, k, v, g, beta, states, repeat, *, keep_states: bool = False):
 
 
 def _gdn_verify_local(q, k, v, g, beta, states, repeat, *, keep_states: bool):
-    if not keep_states and _kernel_wins(q, v, 4 * states.size // states.shape[0]):
+    if not keep_states and _kernel_wins(q, v, states.size // states.shape[0] * states.dtype.itemsize):
         return (gdn_recurrent_pallas(q, k, v, g, beta, states, repeat, final_state=False)[0],)
     out = _gdn_recurrent_local(q, k, v, g, beta, jax.lax.dynamic_index_in_dim(states, repeat, keepdims=False),
                                keep_states=keep_states)
@@ -214,8 +221,8 @@ def _gdn_verify_local(q, k, v, g, beta, states, repeat, *, keep_states: bool):
 
 
 def _kernel_wins(q, v, state_bytes: int) -> bool:
-    """Whether a pass that keeps no per-token states, from a float32 state of state_bytes, runs the
-    kernel (outside batch-invariant mode)."""
+    """Whether a pass that keeps no per-token states, from a state of state_bytes, runs the kernel
+    (outside batch-invariant mode)."""
     long_or_wide = q.shape[1] >= KERNEL_MIN_TOKENS or state_bytes >= KERNEL_MIN_STATE_BYTES
     return jax.default_backend() == "gpu" and invariant_rows() is None and long_or_wide and kernel_fits(q, v)
 
@@ -239,7 +246,7 @@ def gdn_recurrent_fixed_order(q, k, v, g, beta, state, *, keep_states: bool = Fa
         out = gdn_recurrent_pallas(*xs, s, keep_states=keep_states, interpret=interpret)
         return out[1], (out[0], out[2] if keep_states else None)
 
-    final, (o, states) = jax.lax.scan(chunk, state.astype(jnp.float32), tuple(chunks(x) for x in (q, k, v, g, beta)))
+    final, (o, states) = jax.lax.scan(chunk, state, tuple(chunks(x) for x in (q, k, v, g, beta)))
     return (unchunk(o), final, unchunk(states)) if keep_states else (unchunk(o), final)
 
 
@@ -249,6 +256,6 @@ def _gdn_recurrent_local(q, k, v, g, beta, state, *, keep_states: bool):
         if on_gpu and kernel_fits(q[:, :1], v):
             return gdn_recurrent_fixed_order(q, k, v, g, beta, state, keep_states=keep_states)
         return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states, unroll=False)
-    if not keep_states and _kernel_wins(q, v, 4 * state.size):
+    if not keep_states and _kernel_wins(q, v, state.size * state.dtype.itemsize):
         return gdn_recurrent_pallas(q, k, v, g, beta, state)
     return gdn_recurrent_reference(q, k, v, g, beta, state, keep_states=keep_states)

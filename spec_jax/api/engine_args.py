@@ -3,7 +3,7 @@ changed. `LLM(**kwargs)` and the CLI take vLLM's names; each argument is
 
 * used: it means here what it means in vLLM (`LLM`'s own parameters, and those below that
   `EngineArgs.resolve` turns into values for it: `gpu_memory_utilization`, `quantization`,
-  `reasoning_parser`);
+  `reasoning_parser`, `mamba_ssm_cache_dtype`);
 * ignored: it has no counterpart in this engine. Accepted, and said once (a warning naming it and
   why), so that a script written for vLLM keeps running;
 * refused: it asks for something this engine does not do (several devices, a KV-cache dtype). A
@@ -67,7 +67,8 @@ enable_sleep_mode calculate_kv_scales use_tqdm_on_load enable_multimodal_encoder
 kv_sharing_fast_prefill
 """.split())
 
-USED = ("gpu_memory_utilization", "quantization", "reasoning_parser")  # resolved here into values `LLM` acts on
+# Resolved here into values `LLM` acts on.
+USED = ("gpu_memory_utilization", "quantization", "reasoning_parser", "mamba_ssm_cache_dtype")
 
 TEXT_ONLY = "the models here read text only"
 NO_CUDA_GRAPHS = "there are no CUDA graphs; batch_buckets sets the batch sizes compiled for"
@@ -152,7 +153,7 @@ DEFAULTS_ONLY = {"kv_cache_dtype": ("auto",), "enable_lora": (False,), "generati
                  "enable_expert_parallel": (False,), "enable_sleep_mode": (False,),
                  "enable_prompt_embeds": (False,), "calculate_kv_scales": (False,), "model_impl": ("auto",),
                  "config_format": ("auto", "hf"), "logprobs_mode": ("raw_logprobs",), "scheduling_policy": ("fcfs",),
-                 "worker_cls": ("auto",), "mamba_cache_dtype": ("auto",), "mamba_ssm_cache_dtype": ("auto",),
+                 "worker_cls": ("auto",), "mamba_cache_dtype": ("auto",),
                  "enable_dbo": (False,), "enable_eplb": (False,), "data_parallel_hybrid_lb": (False,)}
 
 # vLLM arguments that ask for a feature not built here: refused by name unless unset (None, or an
@@ -207,6 +208,7 @@ class ResolvedArgs:
     gpu_memory_utilization: float | None = None
     quantization: str | None = None
     reasoning_parser: str | None = None
+    mamba_ssm_cache_dtype: str = "auto"
 
 
 def unset(value) -> bool:
@@ -247,6 +249,8 @@ def resolve(kwargs: dict) -> ResolvedArgs:
             args.quantization = value
         elif name == "reasoning_parser":
             args.reasoning_parser = value or None  # checked by EngineConfig
+        elif name == "mamba_ssm_cache_dtype":
+            args.mamba_ssm_cache_dtype = "auto" if value is None else value  # checked by EngineConfig
         else:
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
     return args

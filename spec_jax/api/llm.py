@@ -136,7 +136,9 @@ class LLM:
         max_num_seqs to the device memory left for caches, `quantization` checks the checkpoint's
         or ("fp8") quantizes on load; arguments with no counterpart here are accepted and said to
         be ignored; multi-device ones above 1 are refused; `reasoning_parser` ("qwen3") holds
-        structured output to the answer, after the reasoning (`spec_jax.engine.reasoning_grammar`).
+        structured output to the answer, after the reasoning (`spec_jax.engine.reasoning_grammar`);
+        `mamba_ssm_cache_dtype` ("auto", "float32", "bfloat16", "float16") is the dtype the GDN
+        state is cached in (`EngineConfig`).
     """
 
     def __init__(self, model: str | Qwen3_5Model | None = None, *, dtype: str = "auto",
@@ -177,7 +179,7 @@ class LLM:
             prefix_cache_host_bytes=gigabytes("prefix_cache_host_gb", prefix_cache_host_gb, positive=False),
             batch_invariant=batch_invariant, rollback=rollback, speculative=spec, seed=seed,
             gpu_memory_utilization=engine_args.gpu_memory_utilization, grammar_drafts=grammar_drafts,
-            reasoning_parser=engine_args.reasoning_parser)
+            reasoning_parser=engine_args.reasoning_parser, mamba_ssm_cache_dtype=engine_args.mamba_ssm_cache_dtype)
         quantize_to = None if loaded is not None else check_quantization(engine_args.quantization,
                                                                            checkpoint_methods(model))
         enable_compilation_cache()

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gdn_chunked import CHUNK
-from models.qwen3_5 import ROLLBACKS, Qwen3_5Config
+from models.qwen3_5 import ROLLBACKS, STATE_DTYPES, Qwen3_5Config
 from spec_jax.engine.params import INT32_MAX, check_int
 from spec_jax.engine.reasoning_grammar import REASONING_PARSERS
 from spec_jax.engine.spec_config import SpeculativeConfig, check_mtp_head
@@ -58,6 +58,9 @@ class EngineConfig:
       host bytes for blocks the device evicts.
     batch_invariant: trace the target batch-invariant (`pallas_kernels.batch_invariant`).
     rollback: how GDN state returns to the accepted prefix, "checkpoint" or "replay".
+    mamba_ssm_cache_dtype: vLLM's engine argument, the dtype the GDN recurrent state is cached in:
+      "auto" (the checkpoint's `mamba_ssm_dtype`, float32 in Qwen's) or one of `STATE_DTYPES`; a
+      16-bit state halves the bytes a decode step streams per row (the math stays float32).
     speculative: the parsed speculative config (None: plain decoding).
     seed: base seed of requests that set none.
     gpu_memory_utilization: size max_num_seqs to this share of the device's memory (None: as given).
@@ -80,6 +83,7 @@ class EngineConfig:
     prefix_cache_host_bytes: int = 0
     batch_invariant: bool = False
     rollback: str = "replay"
+    mamba_ssm_cache_dtype: str = "auto"
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     gpu_memory_utilization: float | None = None
@@ -94,6 +98,9 @@ class EngineConfig:
                           f"must be between 1 and max_num_seqs={self.max_num_seqs}")
             object.__setattr__(self, "batch_buckets", tuple(sorted({int(b) for b in self.batch_buckets})))
         self._check_compiler_options()
+        if self.mamba_ssm_cache_dtype not in ("auto", *STATE_DTYPES):
+            raise ValueError(f"mamba_ssm_cache_dtype={self.mamba_ssm_cache_dtype!r}; expected one of "
+                             f"{', '.join(('auto', *STATE_DTYPES))}")
         if self.rollback not in ROLLBACKS:
             raise ValueError(f"rollback={self.rollback!r}; expected one of {', '.join(ROLLBACKS)}")
         check_int("seed", self.seed, -(2**63), 2**63 - 1, "must fit in 64 bits")

@@ -86,10 +86,13 @@ class Runner:
 
     def __init__(self, model: Qwen3_5Model, draft, config: EngineConfig, mesh: Mesh | None = None):
         """draft: the proposer's own network (an NNX model), if its method has one. config: a
-        resolved `EngineConfig` (`for_model`); its layout is applied to both networks, in place.
+        resolved `EngineConfig` (`for_model`); its layout and GDN state dtype are applied to the
+        networks, in place.
         mesh: the tensor-parallel mesh the target was sharded over (`models.tensor_parallel`);
         every program is compiled over it and the drafter's weights are copied to each device."""
         use_layout((model, draft), config.layout)
+        if config.mamba_ssm_cache_dtype != "auto":
+            model.use_state_dtype(config.mamba_ssm_cache_dtype)
         self.cfg: Qwen3_5Config = model.cfg
         self.dtype = model.dtype
         self.cache_len = config.cache_len

@@ -66,7 +66,7 @@ def hf_config(cfg: Qwen3_5Config, *, vl_wrapped: bool) -> dict:
         "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
         "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
         "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim, "hidden_act": "silu", "attn_output_gate": True,
-        "mtp_num_hidden_layers": cfg.mtp_num_hidden_layers, "mamba_ssm_dtype": "float32",
+        "mtp_num_hidden_layers": cfg.mtp_num_hidden_layers, "mamba_ssm_dtype": cfg.mamba_ssm_dtype,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
                             "partial_rotary_factor": cfg.partial_rotary_factor,
                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
