@@ -4,7 +4,9 @@ count), "auto" taking the checkpoint's `mamba_ssm_dtype`, and a bad value named.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import FIXED_K, TINY
 
@@ -49,3 +51,16 @@ def test_auto_takes_the_checkpoints_dtype_and_a_bad_value_is_named(tmp_path):
     assert state_dtypes(LLM(model=str(d), **ARGS)) == {jnp.dtype(jnp.float16)}
     with pytest.raises(ValueError, match=r"mamba_ssm_cache_dtype='int8'; expected one of auto, float32, bfloat16"):
         LLM(model=str(d), mamba_ssm_cache_dtype="int8", **ARGS)
+
+
+def test_a_prefix_cache_hit_gives_the_same_state_with_a_16_bit_state(tiny_dir):
+    """Prefilled block by block, a prompt's state is rounded where each block ends whether the
+    blocks were run or restored: a hit leaves the caches bitwise as the run that stored them."""
+    llm = LLM(model=str(tiny_dir), enable_prefix_caching=True, mamba_ssm_cache_dtype="bfloat16",
+              **{**ARGS, "max_model_len": 256})
+    prompt = [list(range(3, 150))]  # two whole 64-token blocks and a partial third
+    cold, warm = (llm.prefill(prompt, GREEDY) for _ in range(2))
+    assert llm.engine.prefix_cache.hits == 2 * 64
+    for a, b in zip(cold.cache, warm.cache):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
