@@ -235,9 +235,10 @@ class ForwardOut:
     pending: Any = None
 
 
-def init_cache(cfg: Qwen3_5Config, batch: int, max_len: int, dtype) -> ModelCache:
-    """Empty caches for `batch` rows of up to `max_len` tokens; under a tensor-parallel mesh
-    split by head (KV heads, conv channels, GDN value heads) as the weights that fill them are."""
+def init_cache(cfg: Qwen3_5Config, batch: int, max_len: int, dtype, state_dtype: str | None = None) -> ModelCache:
+    """Empty caches for `batch` rows of up to `max_len` tokens, the GDN state in state_dtype (None:
+    the config's `mamba_ssm_dtype`); under a tensor-parallel mesh split by head (KV heads, conv
+    channels, GDN value heads) as the weights that fill them are."""
     G = cfg.num_groups
     out = []
     for kind in cfg.pattern:
@@ -246,7 +247,7 @@ def init_cache(cfg: Qwen3_5Config, batch: int, max_len: int, dtype) -> ModelCach
         else:
             conv = jnp.zeros((G, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype)
             state_shape = (G, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-            state = jnp.zeros(state_shape, cfg.mamba_ssm_dtype)
+            state = jnp.zeros(state_shape, state_dtype or cfg.mamba_ssm_dtype)
             out.append(GDNCache(constrain(conv, on_axis(4, 3)), constrain(state, on_axis(5, 2))))
     return tuple(out)
 
@@ -370,6 +371,7 @@ class Qwen3_5Model(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.mtp = MTPHead(cfg, dtype=dtype) if cfg.mtp_num_hidden_layers else None
         self.shards = 1  # static: tensor-parallel devices (`models/tensor_parallel.py`)
+        self.state_dtype = cfg.mamba_ssm_dtype  # static: the GDN state's dtype in the caches it makes
 
     def use_decode_layout(self, fuse: bool = True) -> None:
         """Switch to the decode layout: every layer's weights (and the MTP block's) become arrays
@@ -387,12 +389,15 @@ class Qwen3_5Model(nnx.Module):
 
     def use_state_dtype(self, dtype: str) -> None:
         """Keep the GDN recurrent state in `dtype` (one of `STATE_DTYPES`) in the caches this model
-        makes from now on: the engine's `mamba_ssm_cache_dtype`. In place."""
-        self.cfg = dataclasses.replace(self.cfg, mamba_ssm_dtype=dtype)
+        makes from now on (the engine's `mamba_ssm_cache_dtype`); the config keeps the checkpoint's."""
+        if dtype not in STATE_DTYPES:
+            raise ValueError(f"state dtype {dtype!r}; expected one of {', '.join(STATE_DTYPES)}")
+        self.state_dtype = dtype
 
     def init_cache(self, batch: int, max_len: int) -> ModelCache:
-        """Empty caches for `batch` rows of up to `max_len` tokens (see `init_cache`)."""
-        return init_cache(self.cfg, batch, max_len, self.dtype)
+        """Empty caches for `batch` rows of up to `max_len` tokens (see `init_cache`), the GDN state
+        in `state_dtype`."""
+        return init_cache(self.cfg, batch, max_len, self.dtype, self.state_dtype)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] -> [B, T, H]."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.layers import Batch, KVCache
-from models.qwen3_5 import Qwen3_5Model, init_cache
+from models.qwen3_5 import Qwen3_5Model
 from spec_jax.engine.prefix_cache import Block, PrefixCache
 from spec_jax.engine.state import SpecPlan, plan_taps
 
@@ -49,7 +49,7 @@ def restore_blocks(model: Qwen3_5Model, draft, cache, blocks: tuple[Block, ...],
     deepest block the row resumes from does), the GDN caches at the end of the last one.
     cache None: a fresh row's (`init_cache`), made in the same program."""
     if cache is None:
-        cache = init_cache(model.cfg, 1, cache_len, model.dtype)
+        cache = model.init_cache(1, cache_len)
 
     def put(c, bs):
         if isinstance(c, KVCache):  # block by block in place: no concatenated copy of the run
@@ -97,7 +97,7 @@ def prefill_blocks(runner, plan: SpecPlan | None, store: PrefixCache, prompts, p
     width = -(-tokens.shape[1] // C) * C
     if width > tokens.shape[1]:
         tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
-    fresh = partial(runner.run, "empty_row", lambda model, draft: init_cache(model.cfg, 1, cache_len, model.dtype))
+    fresh = partial(runner.run, "empty_row", lambda model, draft: model.init_cache(1, cache_len))
     run_block = partial(prefill_block, cache_len=cache_len, plan=plan)
     caches, outputs = [], []  # per row: its caches, and the target's outputs [1, C, ...] block by block
     for b in range(tokens.shape[0]):

@@ -15,7 +15,7 @@ from jax.experimental import io_callback
 
 from models.layers import Batch
 from pallas_kernels.gdn_chunked import CHUNK
-from models.qwen3_5 import ForwardOut, Qwen3_5Model, init_cache
+from models.qwen3_5 import ForwardOut, Qwen3_5Model
 from pallas_kernels.batch_invariant import invariant_rows
 from spec_jax.engine.adaptive import choose_verify_lengths, initial_estimates, update_estimates
 from spec_jax.engine.sampling import (EmittedLogprobs, RowSampling, TokenHistory, accept_drafts, accept_synthetic,
@@ -91,7 +91,7 @@ def prefill(model: Qwen3_5Model, draft, prompts, prompt_lengths, max_lengths, st
     Returns the `DecodeState` with the caches holding each prompt.
     """
     B, T = prompts.shape
-    cache = init_cache(model.cfg, B, cache_len, model.dtype)
+    cache = model.init_cache(B, cache_len)
     batch = Batch(start=jnp.zeros((B,), jnp.int32), n_valid=prompt_lengths)
     # Batch-invariant: attention spans the whole cache in every pass, prefill included.
     target = model(prompts, batch, cache, kv_len=cache_len if invariant_rows() else T, taps=plan_taps(plan))
@@ -358,7 +358,7 @@ def decode_loop(model: Qwen3_5Model, draft, state: DecodeState, max_steps, step_
 
 def forward_logits(model: Qwen3_5Model, draft, tokens, length, *, cache_len: int):
     """Full-sequence logits of one right-padded sequence: tokens [1, T], length [1] -> [1, T, V]."""
-    cache = init_cache(model.cfg, 1, cache_len, model.dtype)
+    cache = model.init_cache(1, cache_len)
     batch = Batch(start=jnp.zeros((1,), jnp.int32), n_valid=length)
     return model.logits(model(tokens, batch, cache, kv_len=tokens.shape[1]).hidden)
 
@@ -369,7 +369,7 @@ def prompt_logprobs(model: Qwen3_5Model, draft, tokens, length, *, num: int):
     at the position before each (`ranked_logprobs`). Logits are made CHUNK positions at a time,
     so a long prompt never holds [T, V] at once."""
     T = tokens.shape[1]
-    cache = init_cache(model.cfg, 1, T, model.dtype)
+    cache = model.init_cache(1, T)
     hidden = model(tokens, Batch(start=jnp.zeros((1,), jnp.int32), n_valid=length), cache, kv_len=T).hidden[0]
     following = jnp.concatenate([tokens[0, 1:], tokens[0, :1]])  # the token each position predicts; the last unused
 

@@ -12,6 +12,7 @@ from helpers import FIXED_K, TINY
 
 from models.gated_deltanet import GDNCache
 from spec_jax import LLM, SamplingParams
+from spec_jax.loading import load_model
 from spec_jax.writing.random_checkpoint import write_checkpoint
 
 PROMPTS = [[5, 9, 14, 3, 7], [11, 2, 30], [8, 8, 1]]
@@ -64,3 +65,10 @@ def test_a_prefix_cache_hit_gives_the_same_state_with_a_16_bit_state(tiny_dir):
     for a, b in zip(cold.cache, warm.cache):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_one_engines_choice_does_not_carry_to_the_next_over_the_same_model(tiny_dir):
+    model, _ = load_model(tiny_dir, "float32")
+    assert state_dtypes(LLM(model, mamba_ssm_cache_dtype="bfloat16", **ARGS)) == {jnp.dtype(jnp.bfloat16)}
+    assert state_dtypes(LLM(model, **ARGS)) == {jnp.dtype(jnp.float32)}  # "auto": the checkpoint's again
+    assert model.cfg.mamba_ssm_dtype == "float32"
