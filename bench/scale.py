@@ -38,11 +38,10 @@ from bench.common import Ceilings, peak_memory_GB
 from bench.models import (GEOMETRIES, active_params, expert_bytes, geometry_config, nbytes, random_drafter,
                           random_model, random_prompts, streamed_bytes)
 from bench.step_profile import busy_ns, summarize, trace_calls
-from models.qwen3_5 import STATE_DTYPES
 from pallas_kernels.quant_formats import FORMATS
 from proposers.ngram import NgramProposer
 from spec_jax import LLM, SamplingParams
-from spec_jax.engine.config import LAYOUTS
+from spec_jax.engine.config import LAYOUTS, MAMBA_SSM_CACHE_DTYPES
 from spec_jax.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, claim_device_memory
 from spec_jax.engine.spec_config import ACTED_FIELDS, parse_speculative_config
 
@@ -307,7 +306,7 @@ def main() -> None:
                     help="cache length of the decode and method LLM (default: what the prompt and tokens need)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
                     help="the share of the card the JAX allocator may take (vLLM's option of that name)")
-    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *STATE_DTYPES],
+    ap.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_SSM_CACHE_DTYPES,
                     help="the dtype the GDN state is cached in (vLLM's option of that name)")
     args = ap.parse_args()
 

@@ -1,8 +1,8 @@
 """The Gated DeltaNet mixer of the Qwen3.5 / Qwen3.6 (and Qwen3-Next) hybrid models: a causal
 depthwise convolution + SiLU over the q, k, v projections, then the gated delta rule over a
-per-head state (computed in float32, cached in the config's `mamba_ssm_dtype`), and a gated
-RMSNorm on its output. Attribute names mirror the
-checkpoint's tensor names (`linear_attn.in_proj_qkv`, `conv1d`, `A_log`, `dt_bias`, `norm`, ...).
+per-head state (computed in float32, cached in `Qwen3_5Model.state_dtype`), and a gated
+RMSNorm on its output. Attribute names mirror the checkpoint's tensor names
+(`linear_attn.in_proj_qkv`, `conv1d`, `A_log`, `dt_bias`, `norm`, ...).
 
 Its cache is `GDNCache` (conv window and state); a verify pass leaves the cache as it was and
 returns `GDNPending`, from which `commit_gdn` keeps any prefix. `cfg` is the model's
@@ -29,7 +29,7 @@ from pallas_kernels.rms_norm import rms_norm
 @dataclasses.dataclass
 class GDNCache:
     """One pattern position's GDN layers: conv window [G, B, K-1, conv_dim] (pre-conv inputs,
-    oldest first) and recurrent state [G, B, nv, dk, dv] in the config's `mamba_ssm_dtype`."""
+    oldest first) and recurrent state [G, B, nv, dk, dv] in the model's `state_dtype`."""
 
     conv: jax.Array
     state: jax.Array

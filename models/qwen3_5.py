@@ -37,6 +37,12 @@ LINEAR, FULL = "linear_attention", "full_attention"
 # What the GDN recurrent state may be stored in: each pass computes in float32 and rounds the
 # state it carries to this dtype after every token, as storing it would.
 STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_state_dtype(name: str, value, also: tuple[str, ...] = ()) -> None:
+    """ValueError naming `name` unless value is one of `also` or `STATE_DTYPES`."""
+    if value not in (*also, *STATE_DTYPES):
+        raise ValueError(f"{name}={value!r}; expected one of {', '.join((*also, *STATE_DTYPES))}")
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
@@ -79,8 +85,7 @@ class Qwen3_5Config:
 
     def __post_init__(self):
         self._check_fields()
-        if self.mamba_ssm_dtype not in STATE_DTYPES:
-            raise ValueError(f"mamba_ssm_dtype={self.mamba_ssm_dtype!r}; expected one of {', '.join(STATE_DTYPES)}")
+        check_state_dtype("mamba_ssm_dtype", self.mamba_ssm_dtype)
         if not self.layer_types:
             n = self.full_attention_interval
             kinds = tuple(FULL if (i + 1) % n == 0 else LINEAR for i in range(self.num_hidden_layers))
@@ -390,8 +395,7 @@ class Qwen3_5Model(nnx.Module):
     def use_state_dtype(self, dtype: str) -> None:
         """Keep the GDN recurrent state in `dtype` (one of `STATE_DTYPES`) in the caches this model
         makes from now on (the engine's `mamba_ssm_cache_dtype`); the config keeps the checkpoint's."""
-        if dtype not in STATE_DTYPES:
-            raise ValueError(f"state dtype {dtype!r}; expected one of {', '.join(STATE_DTYPES)}")
+        check_state_dtype("state_dtype", dtype)
         self.state_dtype = dtype
 
     def init_cache(self, batch: int, max_len: int) -> ModelCache:

@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 
-from models.qwen3_5 import STATE_DTYPES
 from spec_jax.api.arg_parser import FlexibleArgumentParser
+from spec_jax.engine.config import MAMBA_SSM_CACHE_DTYPES
 from spec_jax.engine.reasoning_grammar import REASONING_PARSERS
 from spec_jax.api.tool_parsers import TOOL_CALL_PARSERS
 
@@ -31,7 +31,7 @@ VLLM_FLAGS = {
     "quantization": dict(help="'fp8': quantize the projections as they load"),
     "tensor_parallel_size": dict(type=int, help="devices to split the model over (default 1)"),
     "kv_cache_dtype": dict(help="auto"),
-    "mamba_ssm_cache_dtype": dict(choices=["auto", *STATE_DTYPES],
+    "mamba_ssm_cache_dtype": dict(choices=MAMBA_SSM_CACHE_DTYPES,
                                   help="the dtype the GDN state is cached in (auto: the checkpoint's, float32)"),
     "enable_prefix_caching": dict(action=argparse.BooleanOptionalAction,
                                   help="resume prompts from cached prefix blocks, exact (default: on for serve, off "

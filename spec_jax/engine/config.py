@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gdn_chunked import CHUNK
-from models.qwen3_5 import ROLLBACKS, STATE_DTYPES, Qwen3_5Config
+from models.qwen3_5 import ROLLBACKS, STATE_DTYPES, Qwen3_5Config, check_state_dtype
 from spec_jax.engine.params import INT32_MAX, check_int
 from spec_jax.engine.reasoning_grammar import REASONING_PARSERS
 from spec_jax.engine.spec_config import SpeculativeConfig, check_mtp_head
@@ -25,6 +25,8 @@ DEFAULT_PREFIX_CACHE_BYTES = 4 * 10**9
 # unrolled, same-input projections joined: `Qwen3_5Model.use_decode_layout`), "unfused" (the same
 # with every projection its own matmul), "rolled" (the loaded [G, ...] stacks under a rolled scan).
 LAYOUTS = ("decode", "unfused", "rolled")
+# vLLM's mamba_ssm_cache_dtype values: "auto" is the checkpoint's mamba_ssm_dtype.
+MAMBA_SSM_CACHE_DTYPES = ("auto", *STATE_DTYPES)
 
 
 def default_decode_layout() -> bool:
@@ -98,9 +100,7 @@ class EngineConfig:
                           f"must be between 1 and max_num_seqs={self.max_num_seqs}")
             object.__setattr__(self, "batch_buckets", tuple(sorted({int(b) for b in self.batch_buckets})))
         self._check_compiler_options()
-        if self.mamba_ssm_cache_dtype not in ("auto", *STATE_DTYPES):
-            raise ValueError(f"mamba_ssm_cache_dtype={self.mamba_ssm_cache_dtype!r}; expected one of "
-                             f"{', '.join(('auto', *STATE_DTYPES))}")
+        check_state_dtype("mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, also=("auto",))
         if self.rollback not in ROLLBACKS:
             raise ValueError(f"rollback={self.rollback!r}; expected one of {', '.join(ROLLBACKS)}")
         check_int("seed", self.seed, -(2**63), 2**63 - 1, "must fit in 64 bits")
@@ -164,6 +164,11 @@ class EngineConfig:
         if self.speculative is not None and self.speculative.method == "mtp":
             check_mtp_head(has_mtp)
         return dataclasses.replace(self, max_model_len=max_model_len)
+
+    def state_dtype(self, cfg: Qwen3_5Config) -> str:
+        """The GDN state's cache dtype for a model of config cfg: mamba_ssm_cache_dtype, "auto" read
+        as the checkpoint's mamba_ssm_dtype."""
+        return cfg.mamba_ssm_dtype if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype
 
     @property
     def cache_len(self) -> int:

@@ -91,8 +91,7 @@ class Runner:
         mesh: the tensor-parallel mesh the target was sharded over (`models.tensor_parallel`);
         every program is compiled over it and the drafter's weights are copied to each device."""
         use_layout((model, draft), config.layout)
-        auto = config.mamba_ssm_cache_dtype == "auto"
-        model.use_state_dtype(model.cfg.mamba_ssm_dtype if auto else config.mamba_ssm_cache_dtype)
+        model.use_state_dtype(config.state_dtype(model.cfg))
         self.cfg: Qwen3_5Config = model.cfg
         self.dtype = model.dtype
         self.cache_len = config.cache_len
