@@ -11,34 +11,14 @@ model's `Qwen3_5Config` (not imported: the model's file imports this one).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models.layers import MLP, Linear, fuse_linears, project, zeros_param
-from pallas_kernels.batch_invariant import elementwise, row_tiled
+from pallas_kernels.batch_invariant import elementwise
 from pallas_kernels.expert_matmul import expert_swiglu
-
-
-def route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
-    """Each token's top k experts and their weights: logits [N, E] -> (weights [N, k] float32,
-    ids [N, k]). In batch-invariant mode on fixed tiles of tokens (`row_tiled`): top-k and the
-    softmax's sum then run as the same program whatever the pass, so equal logits break their
-    tie the same way and a token's weights are the same bits."""
-    return row_tiled(functools.partial(_route, k=k, renormalise=renormalise), logits)
-
-
-def _route(logits: jax.Array, k: int, renormalise: bool) -> tuple[jax.Array, jax.Array]:
-    """`route` on the tokens as given. Softmax probabilities renormalised over the top k are the
-    softmax of the top k logits (the other experts' terms cancel), so then no softmax over all E
-    is computed; the softmax is monotonic, so the logits rank the experts as the probabilities do."""
-    logits = logits.astype(jnp.float32)
-    if renormalise:
-        top, idx = jax.lax.top_k(logits, k)
-        return jax.nn.softmax(top, axis=-1), idx
-    return jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+from pallas_kernels.expert_route import route
 
 
 class Experts(nnx.Module):
@@ -92,12 +72,11 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits, shared_gate = project(self, self.ROUTER, x)
-        weights, idx = route(logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
-        if self.shared_expert is None:  # folded in as expert E (`join_router_and_shared_expert`)
-            idx = jnp.concatenate([idx, jnp.full((x.shape[0], 1), self.cfg.num_experts, idx.dtype)], axis=-1)
-            shared_weight = elementwise(lambda g: jax.nn.sigmoid(g.astype(jnp.float32)), shared_gate)
-            weights = jnp.concatenate([weights, shared_weight], axis=-1)
-            return self.experts(x, idx, weights.astype(logits.dtype)).reshape(shape)
+        folded = self.shared_expert is None  # the shared expert is routed expert E (`join_router_and_shared_expert`)
+        weights, idx = route(logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob,
+                             shared_gate if folded else None)
         routed = self.experts(x, idx, weights.astype(logits.dtype))
+        if folded:
+            return routed.reshape(shape)
         plus_shared = lambda routed, g, shared: routed + jax.nn.sigmoid(g) * shared  # noqa: E731
         return elementwise(plus_shared, routed, shared_gate, self.shared_expert(x)).reshape(shape)

@@ -16,7 +16,7 @@ from helpers import FIXED_K, TINY, check_logits_do_not_depend_on_the_pass, relat
 
 from bench.oracle import KnownSequences, oracle_config
 from bench.scale import always_drafting
-from models.moe import route
+from pallas_kernels.expert_route import route
 from pallas_kernels.batch_invariant import batch_invariant
 from pallas_kernels.expert_matmul import GEMV_MAX_PAIRS, expert_swiglu, expert_swiglu_invariant, expert_swiglu_reference
 from spec_jax import LLM, SamplingParams
@@ -169,12 +169,12 @@ def test_routing_breaks_ties_and_weighs_a_token_the_same_in_any_pass():
 @pytest.mark.parametrize("fold", [False, True], ids=["shared MLP", "shared expert folded"])
 def test_on_a_gpu_the_moe_block_gives_a_token_the_same_output_in_any_pass(monkeypatch, fold):
     """The whole MoE block as the mode runs it on a GPU (kernels in interpret mode): the router
-    through the fixed-order matmul, routing on the GPU's tiles, the per-pair expert kernels, the
+    through the fixed-order matmul, the routing kernel, the per-pair expert kernels, the
     shared expert as an MLP or folded in as expert E. Token 0 alone, beside 3 tokens and beside
     69 (more pairs than GEMV_MAX_PAIRS): the same bits, and close to the default path."""
     from models import layers
     from models.moe import SparseMoE
-    from pallas_kernels import expert_matmul
+    from pallas_kernels import expert_matmul, expert_route
 
     rng = np.random.default_rng(6)
     moe = SparseMoE(MOE)
@@ -197,6 +197,8 @@ def test_on_a_gpu_the_moe_block_gives_a_token_the_same_output_in_any_pass(monkey
 
     monkeypatch.setattr(layers, "fixed_order_matmul_pallas", fixed_order)
     monkeypatch.setattr(expert_matmul, "_pair_outputs_pallas", per_pair)
+    routing = expert_route.route_pallas
+    monkeypatch.setattr(expert_route, "route_pallas", lambda *a: routing(*a, interpret=True))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with batch_invariant(8):
         outs = {n: np.asarray(moe(x[:n])) for n in (1, 4, 70)}

@@ -146,7 +146,7 @@ def test_kernel_shapes():
 @pytest.mark.parametrize("renormalise", [True, False])
 def test_routing_matches_softmax_then_top_k(renormalise):
     """HF's rule: softmax over all experts, top k, renormalised over them when norm_topk_prob."""
-    from models.moe import route
+    from pallas_kernels.expert_route import route
 
     logits = jnp.asarray(np.random.default_rng(9).normal(size=(33, 16)) * 3, jnp.float32)
     probs = np.asarray(jax.nn.softmax(logits, axis=-1))
