@@ -103,23 +103,37 @@ class GatedDeltaNet(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         nv, dv, K = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-        mixed, z, b, a = project(self, self.PROJECTIONS, x)  # mixed: [B, T, conv_dim]
-        window = jax.lax.dynamic_index_in_dim(cache.conv, g, keepdims=False)
-        seq = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
         valid = batch.valid_for(T)
-        pending = None
         if rollback is None and use_decode_kernel(T, K, cache.state, self.shards):
-            o, states = gdn_decode_pallas(seq, self.conv1d[...][:, 0, :], b[:, 0], a[:, 0], self.A_log[...],
-                                          self.dt_bias[...], valid[:, 0], cache.state, g,
-                                          num_k_heads=cfg.linear_num_key_heads)
-            o = o[:, None]
+            proj, gates_at, z = self.decode_projections(x)
+            o, states, window = gdn_decode_pallas(proj, cache.conv, self.conv1d[...][:, 0, :], self.A_log[...],
+                                                  self.dt_bias[...], valid[:, 0], cache.state, g,
+                                                  num_k_heads=cfg.linear_num_key_heads, gates_at=gates_at)
+            cache = GDNCache(jax.lax.dynamic_update_index_in_dim(cache.conv, window, g, 0), states)
+            pending, o = None, o[:, None]
         else:
+            mixed, z, b, a = project(self, self.PROJECTIONS, x)  # mixed: [B, T, conv_dim]
+            window = jax.lax.dynamic_index_in_dim(cache.conv, g, keepdims=False)
+            seq = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
             o, states, pending = self.delta_rule(seq, b, a, valid, cache.state, g, rollback)
-        if rollback is None:
-            cache = GDNCache(jax.lax.dynamic_update_index_in_dim(cache.conv, conv_window(seq, batch.n_valid, K), g, 0),
-                             states)
+            if rollback is None:
+                cache = GDNCache(jax.lax.dynamic_update_index_in_dim(cache.conv, conv_window(seq, batch.n_valid, K),
+                                                                     g, 0), states)
         o = self.norm(o, z.reshape(B, T, nv, dv), x.dtype).reshape(B, T, nv * dv)
         return self.out_proj(o), cache, pending
+
+    def decode_projections(self, x: jax.Array) -> tuple[jax.Array, tuple[int, int], jax.Array]:
+        """One token's projections as the fused decode kernel reads them: x [B, 1, H] -> (proj
+        [B, W] with the conv inputs first, where b and a start in it, z [B, 1, value_dim]). Joined
+        projections (`fuse_linears`) are the matmul's output as it is, [qkv | z | b | a | padding];
+        separate ones are joined [qkv | b | a]."""
+        cfg = self.cfg
+        C, nv = cfg.conv_dim, cfg.linear_num_value_heads
+        if getattr(self, "fused", None) is not None:
+            proj = self.fused(x)[:, 0]
+            return proj, (C + cfg.value_dim, C + cfg.value_dim + nv), proj[:, None, C:C + cfg.value_dim]
+        mixed, z, b, a = project(self, self.PROJECTIONS, x)
+        return jnp.concatenate([mixed, b, a], axis=-1)[:, 0], (C, C + nv), z
 
     def delta_rule(self, seq, b, a, valid, states, g, rollback):
         """The convolution, gates and gated delta rule as separate XLA ops and kernels (what the

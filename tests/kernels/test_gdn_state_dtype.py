@@ -84,13 +84,17 @@ def test_fused_decode_kernel_matches_the_reference_in_16_bits(dtype):
         if isinstance(param, nnx.Param):
             param[...] = jnp.asarray(rng.normal(scale=0.5, size=param[...].shape), jnp.float32)
     B, K, nv, dk, dv = 3, cfg.linear_conv_kernel_dim, 4, 16, 32
-    seq = jnp.asarray(rng.normal(size=(B, K, cfg.conv_dim)), jnp.float32)
+    C = cfg.conv_dim
+    seq = jnp.asarray(rng.normal(size=(B, K, C)), jnp.float32)
     b, a = (jnp.asarray(rng.normal(scale=2.0, size=(B, 1, nv)), jnp.float32) for _ in range(2))
     valid = jnp.array([[True], [False], [True]])
     states = jnp.asarray(rng.normal(size=(2, B, nv, dk, dv)), dtype)
     o_ref, s_ref, _ = layer.delta_rule(seq, b, a, valid, states, 1, None)
-    o, s = gdn_decode_pallas(seq, layer.conv1d[...][:, 0, :], b[:, 0], a[:, 0], layer.A_log[...],
-                             layer.dt_bias[...], valid[:, 0], states, jnp.int32(1), num_k_heads=2, interpret=True)
+    proj = jnp.concatenate([seq[:, -1], b[:, 0], a[:, 0]], axis=-1)
+    conv = jnp.stack([jnp.zeros_like(seq[:, 1:]), seq[:, :-1]])  # the layer is repeat 1
+    o, s, _ = gdn_decode_pallas(proj, conv, layer.conv1d[...][:, 0, :], layer.A_log[...], layer.dt_bias[...],
+                                valid[:, 0], states, jnp.int32(1), num_k_heads=2, gates_at=(C, C + nv),
+                                interpret=True)
     assert s.dtype == s_ref.dtype == dtype
     assert relative_error(o, o_ref[:, 0]) < 1e-5 and relative_error(s[1], s_ref[1]) < 1e-3
     np.testing.assert_array_equal(s[1, 1], states[1, 1])  # a row that is not valid keeps its state
