@@ -71,12 +71,24 @@ class SparseMoE(nnx.Module):
     def __call__(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits, shared_gate = project(self, self.ROUTER, x)
+        router, shared_gate, shared_at = self.router(x)
         folded = self.shared_expert is None  # the shared expert is routed expert E (`join_router_and_shared_expert`)
-        weights, idx = route(logits, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob,
-                             shared_gate if folded else None)
-        routed = self.experts(x, idx, weights.astype(logits.dtype))
+        cfg = self.cfg
+        weights, idx = route(router, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.num_experts,
+                             shared_at if folded else None)
+        routed = self.experts(x, idx, weights.astype(router.dtype))
         if folded:
             return routed.reshape(shape)
         plus_shared = lambda routed, g, shared: routed + jax.nn.sigmoid(g) * shared  # noqa: E731
         return elementwise(plus_shared, routed, shared_gate, self.shared_expert(x)).reshape(shape)
+
+    def router(self, x: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+        """x [N, H] -> (router [N, W] with the E logits first, the shared gate logit [N, 1], the
+        gate's channel in router). Joined (`fuse_linears`), the matmul's output as it is."""
+        E = self.cfg.num_experts
+        fused = getattr(self, "fused", None)
+        if fused is not None and fused.shards == 1:
+            router = fused(x)
+            return router, router[:, E:E + 1], E
+        logits, shared_gate = project(self, self.ROUTER, x)
+        return jnp.concatenate([logits, shared_gate], axis=-1), shared_gate, E

@@ -155,12 +155,12 @@ def test_routing_breaks_ties_and_weighs_a_token_the_same_in_any_pass():
     rng = np.random.default_rng(5)
     logits = jnp.asarray(rng.integers(-3, 3, (40, 8)) / 2, jnp.float32)  # 6 values over 8 experts
     with batch_invariant(8):
-        routed = {n: jax.jit(route, static_argnums=(1, 2))(logits[:n], 3, True) for n in (1, 3, 40)}
+        routed = {n: jax.jit(route, static_argnums=(1, 2, 3))(logits[:n], 3, True, 8) for n in (1, 3, 40)}
     for n in (3, 40):
         for got, alone in zip(routed[n], routed[1]):
             np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(alone[0]))
     weights, ids = routed[40]
-    want_weights, want_ids = route(logits, 3, True)
+    want_weights, want_ids = route(logits, 3, True, 8)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(weights, want_weights, rtol=1e-6)
     np.testing.assert_array_equal(ids[0], np.argsort(-np.asarray(logits[0]), stable=True)[:3])

@@ -154,6 +154,6 @@ def test_routing_matches_softmax_then_top_k(renormalise):
     want = np.take_along_axis(probs, want_ids, axis=-1)
     if renormalise:
         want = want / want.sum(-1, keepdims=True)
-    weights, ids = route(logits, 4, renormalise)
+    weights, ids = route(logits, 4, renormalise, 16)
     assert (np.asarray(ids) == want_ids).all()
     np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-6)
