@@ -30,7 +30,7 @@ from models.moe import SparseMoE
 from models.layers import (MLP, Attention, Batch, KVCache, Linear, check_head_groups, dot_transposed, expect_json,
                            fuse_linears, scan_layers, tiled_projection, unstack_layers,
                            zeros_param)
-from pallas_kernels.rms_norm import rms_norm
+from pallas_kernels.rms_norm import add_rms_norm, rms_norm
 from pallas_kernels.tensor_parallel import constrain, on_axis
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -266,14 +266,24 @@ def kv_cache(shape: tuple[int, ...], dtype) -> KVCache:
 
 
 class RMSNorm(nnx.Module):
-    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in float32."""
+    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in float32.
+    residual_stream (static): a norm of the residual stream, which XLA fuses with no neighbour; at
+    decode sizes it runs as one kernel (`rms_norm`'s few_rows), and its add can join it."""
 
-    def __init__(self, dim: int, eps: float, *, stack=()):
+    def __init__(self, dim: int, eps: float, *, stack=(), residual_stream: bool = False):
         self.weight = zeros_param((*stack, dim), jnp.float32)
         self.eps = eps
+        self.residual_stream = residual_stream
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(self.apply, x, 1.0 + self.weight[...].astype(jnp.float32), self.eps)
+        return rms_norm(self.apply, x, self.scale(), self.eps, few_rows=self.residual_stream)
+
+    def add_and_norm(self, x: jax.Array, added: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The residual stream's add and this norm after it: (x + added, its norm)."""
+        return add_rms_norm(self.apply, x, added, self.scale(), self.eps)
+
+    def scale(self) -> jax.Array:
+        return 1.0 + self.weight[...].astype(jnp.float32)
 
     def apply(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
@@ -286,8 +296,8 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: Qwen3_5Config, kind: str, *, stack=(), dtype=jnp.float32):
         self.kind = kind
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, residual_stream=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, stack=stack, residual_stream=True)
         if kind == FULL:  # full attention with a per-head output gate, (1 + w) q/k norms, partial RoPE
             H = cfg.hidden_size
             self.self_attn = Attention(H, H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -317,8 +327,8 @@ class DecoderLayer(nnx.Module):
             (h, cache), pending = self.self_attn(normed, batch, cache, g, kv_len), None
         else:
             h, cache, pending = self.linear_attn(normed, batch, cache, g, kv_len, rollback)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache, pending
+        x, normed = self.post_attention_layernorm.add_and_norm(x, h)
+        return x + self.mlp(normed), cache, pending
 
 
 # ----------------------------------------------------------------------------- model
@@ -372,7 +382,7 @@ class Qwen3_5Model(nnx.Module):
         self.embed_tokens = zeros_param((cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nnx.List([DecoderLayer(cfg, kind, stack=G, dtype=dtype) for kind in cfg.pattern])
         self.groups = nnx.data(None)  # G lists of the pattern's layers, after `use_decode_layout`
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, residual_stream=True)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.mtp = MTPHead(cfg, dtype=dtype) if cfg.mtp_num_hidden_layers else None
         self.shards = 1  # static: tensor-parallel devices (`models/tensor_parallel.py`)

@@ -1,5 +1,6 @@
-"""The batch-invariant mode's fixed-order RMS norm kernel in interpret mode: the norms' own
-formulas, each row summed alone, and the dispatch that sends only the mode's GPU norms to it."""
+"""The fixed-order RMS norm kernel in interpret mode: the norms' own formulas, the residual add
+joined to it, each row summed alone, and the dispatch that sends the mode's GPU norms and the
+residual stream's few-row GPU norms to it."""
 
 import jax
 import jax.numpy as jnp
@@ -69,3 +70,22 @@ def test_only_the_modes_gpu_norms_run_the_kernel(monkeypatch):
         assert rn.use_rms_norm_kernel(x)
         assert not rn.use_rms_norm_kernel(jnp.zeros((3, 100)))
     assert not rn.use_rms_norm_kernel(x)  # outside the mode: XLA's norm
+    assert rn.use_rms_norm_kernel(x, few_rows=True)  # ... but for the residual stream's few rows
+    assert not rn.use_rms_norm_kernel(jnp.zeros((rn.FEW_ROWS + 1, 256)), few_rows=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 5, 256)])
+def test_the_residual_add_joins_the_norm(shape):
+    """(x + h, norm(x + h)) from one kernel equals the add in x's dtype then the norm, and the
+    decoder layer's call gives it."""
+    rng = np.random.default_rng(len(shape))
+    x, h = (jnp.asarray(rng.standard_normal(shape) * 3, jnp.bfloat16) for _ in range(2))
+    norm = _random_norm(RMSNorm, shape[-1], 4)
+    total, normed = rn.rms_norm_pallas(x, norm.scale(), 1e-6, added=h, interpret=True)
+    np.testing.assert_array_equal(np.asarray(total, np.float32), np.asarray(x + h, np.float32))
+    assert total.dtype == normed.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(norm.apply(x + h), np.float32),
+                               rtol=1e-2, atol=1e-2)
+    want_total, want_normed = norm.add_and_norm(x, h)  # this CPU: the add, then XLA's norm
+    np.testing.assert_array_equal(np.asarray(want_total, np.float32), np.asarray(total, np.float32))
+    np.testing.assert_array_equal(np.asarray(want_normed, np.float32), np.asarray(norm.apply(x + h), np.float32))
