@@ -3,6 +3,7 @@ token at batch 1 and 8, a mixed batch (one constrained row beside unconstrained 
 others lose), and what drafting the grammar's forced tokens gives on JSON with long fixed keys.
 
     python -m bench.structured --geometry 27b --batch 1 8 --json structured.jsonl
+    python -m bench.structured --geometry 27b --layers 16 --batch 1 8 --cost-only   # quicker compiles
     python -m bench.structured --model spec_jax/assets/default --batch 1 --forced-only   # the CPU figure
 
 Without --model the target is a random --geometry model made on the device (`bench.models`) with a
@@ -29,6 +30,7 @@ from pathlib import Path
 from bench.models import GEOMETRIES, geometry_config, random_model
 from spec_jax import LLM, SamplingParams, StructuredOutputsParams
 from spec_jax.default_model import train_tokenizer
+from spec_jax.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, claim_device_memory
 
 MIN_ITEMS = 400
 ITEMS = {"type": "array", "minItems": MIN_ITEMS, "items": {
@@ -101,13 +103,13 @@ def cost_rows(llm: LLM, batches, prompt_len: int, new_tokens: int) -> list[dict]
     return results
 
 
-def forced_rows(model, tokenizer, spec: dict, dtype: str, max_model_len: int) -> list[dict]:
+def forced_rows(model, tokenizer, spec: dict, dtype: str, max_model_len: int, memory: float) -> list[dict]:
     """The long-keys document at batch 1, greedy, with the grammar's forced drafts on and off."""
     results = []
     params = constrained(SamplingParams(max_tokens=512, temperature=0.0), LONG_KEYS)
     for on in (True, False):
         llm = LLM(model=model, tokenizer=tokenizer, dtype=dtype, max_num_seqs=1, max_model_len=max_model_len,
-                  speculative_config=spec, grammar_drafts=on)
+                  speculative_config=spec, grammar_drafts=on, gpu_memory_utilization=memory)
         prompt = [llm.tokenizer.encode("Write the customer record as JSON:\n")]
         row = {"case": "long fixed keys", "grammar_drafts": on, **measure(llm, prompt, [params])}
         print(json.dumps(row), flush=True)
@@ -119,6 +121,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint directory (default: a random --geometry model)")
     ap.add_argument("--geometry", default="27b", choices=GEOMETRIES)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only this many target layers: quicker compiles; the grammar's host work is then a "
+                         "larger share of a step than at full depth, so the cost measured is an upper bound")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
     ap.add_argument("--spec", default='{"method":"mtp","num_speculative_tokens":3,'
                                       '"rejection_sample_method":"synthetic","synthetic_acceptance_length":2.5}',
                     help="the speculative config (JSON)")
@@ -132,26 +138,30 @@ def main() -> None:
     args = ap.parse_args()
 
     spec = json.loads(args.spec)
+    claim_device_memory(args.gpu_memory_utilization)  # before the weights start the backend
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     max_model_len = args.prompt_len + args.new_tokens + 64
     with tempfile.TemporaryDirectory() as folder:
         if args.model:
             model, tokenizer = args.model, None
         else:
-            model = random_model(geometry_config(args.geometry), dtype)
+            model = random_model(geometry_config(args.geometry, args.layers), dtype)
             tokenizer = str(synthetic_tokenizer(model.cfg.vocab_size, Path(folder)))
         rows = []
         if not args.forced_only:
             llm = LLM(model=model, tokenizer=tokenizer, dtype=args.dtype, max_num_seqs=max(args.batch),
-                      max_model_len=max_model_len, speculative_config=spec)
+                      max_model_len=max_model_len, speculative_config=spec,
+                      gpu_memory_utilization=args.gpu_memory_utilization)
             rows += cost_rows(llm, args.batch, args.prompt_len, args.new_tokens)
         if not args.cost_only:
             forced_spec = {k: v for k, v in spec.items() if not k.startswith(("rejection", "synthetic"))}
-            rows += forced_rows(model, tokenizer, forced_spec, args.dtype, max(max_model_len, 640))
+            rows += forced_rows(model, tokenizer, forced_spec, args.dtype, max(max_model_len, 640),
+                                args.gpu_memory_utilization)
     if args.json:
         with open(args.json, "a") as f:
             for row in rows:
-                f.write(json.dumps({"geometry": None if args.model else args.geometry, "spec": spec, **row}) + "\n")
+                f.write(json.dumps({"geometry": None if args.model else args.geometry, "layers": args.layers,
+                                    "spec": spec, **row}) + "\n")
 
 
 if __name__ == "__main__":
