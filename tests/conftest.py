@@ -76,6 +76,15 @@ def echo_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def shallow_echo_dir(tmp_path_factory):
+    """`echo_dir`'s model with one repeat of TINY's layer pattern instead of two, for the tests that
+    sample thousands of requests to compare distributions: each request is a prefill padded to 64
+    positions, most of their run time, and what they test (speculation keeps the distribution of
+    the tokens sampled) holds at any depth."""
+    return write_echo(tmp_path_factory.mktemp("shallow-echo"), len(TINY.pattern))
+
+
+@pytest.fixture(scope="session")
 def plain_greedy(tiny_llm) -> list[list[int]]:
     """The tiny model's greedy completions of `drafter_prompts()`, speculation off."""
     outs = tiny_llm.generate(prompt_token_ids=drafter_prompts(), sampling_params=DRAFT_GREEDY)

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY, write_echo
 from scipy import stats
 
 from spec_jax import LLM, SamplingParams
@@ -166,14 +165,6 @@ def second_tokens(model_dir, spec, seeds, temperature=1.0, step_times=None, widt
     if width is not None:  # every request's first step verified `width` drafts
         assert all(o.metrics["num_steps_per_verify_length"][width] >= 1 for o in outs)
     return np.asarray([o.outputs[0].token_ids[:2] for o in outs])
-
-
-@pytest.fixture(scope="module")
-def shallow_echo_dir(tmp_path_factory):
-    """conftest's echo model with one repeat of TINY's layer pattern instead of two: every request
-    here is a prefill padded to 64 positions, most of the run time, and what is tested (speculation
-    keeps the distribution of the tokens sampled) holds at any depth."""
-    return write_echo(tmp_path_factory.mktemp("shallow-echo"), len(TINY.pattern))
 
 
 @pytest.fixture(scope="module")
