@@ -1,13 +1,10 @@
 """Shared fixtures: tiny random checkpoints written by our own writer, the LLMs over them (the
 helpers they share with the tests are in helpers.py), and the environment every test runs in."""
 
-import dataclasses
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 # XLA's CPU backend at its cheapest optimisation: the tests' programs are tiny and compiled once
 # each, so compile time dominates most tests (those run about 1.3x faster, the interpret-mode Pallas
@@ -42,7 +39,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if FAST_COMPILE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # once: a pytest started from a test sees them set
     os.environ["XLA_FLAGS"] = f"{FAST_COMPILE_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
-from helpers import DRAFT_GREEDY, TINY, drafter_prompts  # noqa: E402
+from helpers import DRAFT_GREEDY, TINY, drafter_prompts, write_echo  # noqa: E402
 from spec_jax.engine.runner import enable_compilation_cache  # noqa: E402
 from spec_jax.writing.random_checkpoint import write_checkpoint  # noqa: E402
 
@@ -75,15 +72,16 @@ def echo_dir(tmp_path_factory):
     """A tiny model whose drafts are often right: with tied, large embeddings the target tends to
     repeat tokens, and its MTP head is made to copy its input token plus noise from the hidden
     state, so drafts are accepted at every count from none to all (0.4, 0.3, 0.1 at k = 3)."""
-    cfg = dataclasses.replace(TINY, vocab_size=64, eos_token_id=(63,), tie_word_embeddings=True)
-    d = write_checkpoint(tmp_path_factory.mktemp("echo"), cfg, seed=3)
-    t = load_file(str(d / "model.safetensors"))
-    H, rng = cfg.hidden_size, np.random.default_rng(0)
-    t["mtp.fc.weight"] = np.concatenate([np.eye(H), 3.0 * rng.normal(size=(H, H)) / np.sqrt(H)], 1).astype(np.float32)
-    t["mtp.layers.0.self_attn.o_proj.weight"] *= 0.1
-    t["mtp.layers.0.mlp.down_proj.weight"] *= 0.1
-    save_file(t, str(d / "model.safetensors"))
-    return d
+    return write_echo(tmp_path_factory.mktemp("echo"), TINY.num_hidden_layers)
+
+
+@pytest.fixture(scope="session")
+def shallow_echo_dir(tmp_path_factory):
+    """`echo_dir`'s model with one repeat of TINY's layer pattern instead of two, for the tests that
+    sample thousands of requests to compare distributions: each request is a prefill padded to 64
+    positions, most of their run time, and what they test (speculation keeps the distribution of
+    the tokens sampled) holds at any depth."""
+    return write_echo(tmp_path_factory.mktemp("shallow-echo"), len(TINY.pattern))
 
 
 @pytest.fixture(scope="session")

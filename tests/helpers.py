@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from safetensors.numpy import load_file, save_file
+
 from models.dflash import DFlashConfig
 from models.layers import Batch
 from models.qwen3_5 import Qwen3_5Config, init_cache
 from pallas_kernels.batch_invariant import batch_invariant
 from spec_jax import SamplingParams
+from spec_jax.writing.random_checkpoint import write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -42,6 +45,21 @@ DRAFT_GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 # step, so its step compiles one verify width, not several (the adaptive step has tests of its own:
 # tests/engine/test_adaptive.py and each method's greedy-equality test, at the default).
 FIXED_K = {"enable_adaptive_verification": False}
+
+
+def write_echo(folder: Path, layers: int) -> Path:
+    """The model of conftest's `echo_dir` (whose docstring says what it is) in `folder`, with TINY's
+    first `layers` layers (a whole number of its layer pattern)."""
+    cfg = dataclasses.replace(TINY, vocab_size=64, eos_token_id=(63,), tie_word_embeddings=True,
+                              num_hidden_layers=layers, layer_types=TINY.layer_types[:layers])
+    d = write_checkpoint(folder, cfg, seed=3)
+    t = load_file(str(d / "model.safetensors"))
+    H, rng = cfg.hidden_size, np.random.default_rng(0)
+    t["mtp.fc.weight"] = np.concatenate([np.eye(H), 3.0 * rng.normal(size=(H, H)) / np.sqrt(H)], 1).astype(np.float32)
+    t["mtp.layers.0.self_attn.o_proj.weight"] *= 0.1
+    t["mtp.layers.0.mlp.down_proj.weight"] *= 0.1
+    save_file(t, str(d / "model.safetensors"))
+    return d
 
 
 def relative_error(got, want) -> float:

@@ -168,10 +168,10 @@ def second_tokens(model_dir, spec, seeds, temperature=1.0, step_times=None, widt
 
 
 @pytest.fixture(scope="module")
-def plain_two_tokens(echo_dir) -> np.ndarray:
+def plain_two_tokens(shallow_echo_dir) -> np.ndarray:
     """The plain side of the two-sample test: the same draw for every speculative config, as it
     does not depend on one, so it is sampled once."""
-    return second_tokens(echo_dir, None, range(N_REQUESTS))
+    return second_tokens(shallow_echo_dir, None, range(N_REQUESTS))
 
 
 # How the first speculative step verifies its k = 2 drafts: every draft at a fixed k, or under
@@ -184,7 +184,7 @@ VERIFY = {"fixed k": (False, None, 2), "adaptive, 1 of 2": (True, [1.0, 1.0001, 
                          [("greedy", None, "fixed k"), ("probabilistic", None, "fixed k"),
                           ("probabilistic", 24, "fixed k"), ("probabilistic", None, "adaptive, 1 of 2"),
                           ("greedy", None, "adaptive, 2 of 2")])
-def test_end_to_end_first_speculative_token_matches_plain(echo_dir, plain_two_tokens, draft_sample_method,
+def test_end_to_end_first_speculative_token_matches_plain(shallow_echo_dir, plain_two_tokens, draft_sample_method,
                                                           draft_vocab_size, verify):
     """Two tokens per request, sampled with penalties: the first comes from prefill, the second
     from one speculative step (or one plain step). Their joint distributions must agree
@@ -194,7 +194,8 @@ def test_end_to_end_first_speculative_token_matches_plain(echo_dir, plain_two_to
     spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": draft_sample_method,
             "draft_vocab_size": draft_vocab_size, "enable_adaptive_verification": adaptive}
     plain = plain_two_tokens
-    spec_on = second_tokens(echo_dir, spec, range(N_REQUESTS, 2 * N_REQUESTS), step_times=step_times, width=width)
+    spec_on = second_tokens(shallow_echo_dir, spec, range(N_REQUESTS, 2 * N_REQUESTS), step_times=step_times,
+                            width=width)
     def joint(t):
         return t[:, 0] * 64 + t[:, 1]
     keys = np.union1d(joint(plain), joint(spec_on))

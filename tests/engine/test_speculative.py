@@ -4,9 +4,11 @@ in the speculative config."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import FIXED_K, HF_FIXTURES
 
 from bench.oracle import KnownSequences, oracle_config
@@ -38,13 +40,14 @@ def plain_echo(echo_dir):
     return ids, run(llm, ids), run(llm, ids[:1])
 
 
+MTP_ADAPTIVE = {"method": "mtp", "num_speculative_tokens": 3}
 SPECS = [  # one config per method at the default (adaptive verification), the others at a fixed k
     {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 3, **FIXED_K},
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     {"method": "ngram", "num_speculative_tokens": 5, **FIXED_K},
     {"method": "mtp", "num_speculative_tokens": 1, **FIXED_K},
     {"method": "mtp", "num_speculative_tokens": 2, **FIXED_K},
-    {"method": "mtp", "num_speculative_tokens": 3},
+    MTP_ADAPTIVE,
 ]
 
 
@@ -154,7 +157,7 @@ def test_metrics_per_request(echo_dir, plain_echo):
 
 
 def test_speculation_off_is_the_plain_path(echo_dir):
-    llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, speculative_config=None)
+    llm = echo_llm(echo_dir, None)  # plain_echo's programs
     assert llm.engine.plan is None and llm.speculative_config is None
     out = llm.generate(prompt_token_ids=prompts(1), sampling_params=GREEDY, use_tqdm=False)[0]
     assert "num_drafts" not in out.metrics
@@ -162,8 +165,7 @@ def test_speculation_off_is_the_plain_path(echo_dir):
 
 def test_streaming_yields_the_same_tokens(echo_dir, plain_echo):
     ids, _, plain_alone = plain_echo
-    llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=128, max_num_seqs=1,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    llm = echo_llm(echo_dir, MTP_ADAPTIVE)  # the programs of its greedy test above
     chunks = list(llm.generate_stream(prompt_token_ids=ids[0], sampling_params=GREEDY))
     assert sum(chunks, []) == plain_alone[0]
     assert len(chunks) < len(plain_alone[0])  # accepted drafts arrive several per chunk
@@ -183,13 +185,21 @@ def test_mtp_state_after_rollbacks_matches_a_full_forward(echo_dir):
     n = int(state.lengths[0])
     seq = jnp.asarray(state.tokens[:, :n])
     model = llm.model
-    hidden = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
-                   init_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1).hidden
-    h, _ = model.mtp(model.embed(seq[:, 1:]), hidden, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
-                     init_mtp_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1)
-    np.testing.assert_allclose(state.proposer.hidden[0], h[0, -1], rtol=1e-4, atol=1e-4)
+    graphdef, weights = nnx.split(model)
+
+    @jax.jit  # one program, not one per operation
+    def full_forward(weights, seq):
+        model = nnx.merge(graphdef, weights)
+        hidden = model(seq[:, :-1], Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
+                       init_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1).hidden
+        h, _ = model.mtp(model.embed(seq[:, 1:]), hidden, Batch(jnp.zeros(1, jnp.int32), jnp.asarray([n - 1])),
+                         init_mtp_cache(model.cfg, 1, n, jnp.float32), kv_len=n - 1)
+        return h[0, -1], model.logits(h[0, -1])
+
+    h, logits = full_forward(weights, seq)
+    np.testing.assert_allclose(state.proposer.hidden[0], h, rtol=1e-4, atol=1e-4)
     next_logits = llm.engine.plan.proposer.next_logits(model, None, state.proposer)
-    assert int(jnp.argmax(next_logits[0])) == int(jnp.argmax(model.logits(h[0, -1])))
+    assert int(jnp.argmax(next_logits[0])) == int(jnp.argmax(logits))
 
 
 def test_mtp_refused_on_a_checkpoint_without_mtp():

@@ -67,6 +67,16 @@ def head_dir(tmp_path_factory):
     return write_eagle3_checkpoint(tmp_path_factory.mktemp("eagle3-sliding"), HEAD, seed=4)
 
 
+def jitted(module, method: str, static: tuple[int, ...] = ()):
+    """module.method as one jitted program of its arguments (static: the indices of those that are
+    static), the module's weights an input of it: not the operation-by-operation dispatch, which
+    compiles each operation at each shape it meets."""
+    graphdef, weights = nnx.split(module)
+    fn = jax.jit(lambda weights, *a: getattr(nnx.merge(graphdef, weights), method)(*a),
+                 static_argnums=tuple(i + 1 for i in static))
+    return lambda *a: fn(weights, *a)
+
+
 # ----------------------------------------------------------------------------- the NumPy reference
 
 
@@ -350,13 +360,14 @@ def test_sliding_head_resolves_and_its_ring_matches_the_reference(head_dir):
     emb, hid = rng.normal(size=(2, 1, n, 64)).astype(np.float32)
     cache = head.init_cache(1, 64, k=3)
     assert cache.k.shape[3] == 4 + 3
-    pre, cache = head.run(jnp.asarray(emb[:, :7]), jnp.asarray(hid[:, :7]), Batch(jnp.asarray([0]), jnp.asarray([7])),
-                          cache, 64)
+    run = jitted(head, "run", static=(4,))
+    pre, cache = run(jnp.asarray(emb[:, :7]), jnp.asarray(hid[:, :7]), Batch(jnp.asarray([0]), jnp.asarray([7])),
+                     cache, 64)
     outs = [pre[0]]
     for start in range(7, n, 2):  # three rows run, two committed; the third is rewritten next time
         e, h = (np.pad(a[:, start:start + 3], ((0, 0), (0, 3 - a[:, start:start + 3].shape[1]), (0, 0)))
                 for a in (emb, hid))
-        pre, cache = head.run(jnp.asarray(e), jnp.asarray(h), Batch(jnp.asarray([start]), jnp.asarray([2])), cache, 64)
+        pre, cache = run(jnp.asarray(e), jnp.asarray(h), Batch(jnp.asarray([start]), jnp.asarray([2])), cache, 64)
         outs.append(pre[0, :2])
     got = np.concatenate(outs)[:n]
     assert relative_error(got, head_reference(w, 4, emb[0], hid[0])) < 1e-4

@@ -263,14 +263,15 @@ def test_the_servers_scheduler_keeps_the_cache_across_requests(tiny_llm, plain_g
     assert runs[1][1] > runs[0][1]
 
 
-def test_sampling_stays_the_targets(echo_dir):
+def test_sampling_stays_the_targets(shallow_echo_dir):
     """Two sampled tokens a request, penalties on, the second from one speculative step of suffix
     drafts (adaptive, verifying both): its joint distribution with the first equals plain decoding's
     (two-sample chi-square)."""
     from scipy import stats
 
     def two_tokens(spec, seeds):
-        llm = LLM(model=str(echo_dir), dtype="float32", max_model_len=64, max_num_seqs=64, speculative_config=spec)
+        llm = LLM(model=str(shallow_echo_dir), dtype="float32", max_model_len=64, max_num_seqs=64,
+                  speculative_config=spec)
         if spec is not None:
             llm.engine.step_times[64] = StepTimes.measured([1.0, 1.0, 1.0])
         params = [SamplingParams(max_tokens=2 if spec is None else 4, temperature=1.0, seed=int(s), ignore_eos=True,
