@@ -54,5 +54,7 @@ def test_notebook_runs_without_error(name, kernel_specs):
     client = NotebookClient(nb, km=AsyncKernelManager(kernel_name="spec_jax", kernel_spec_manager=kernel_specs),
                             timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
                             resources={"metadata": {"path": str(NOTEBOOKS)}})
-    client.execute(env=kernel_env())  # raises CellExecutionError at the first failing cell
+    # raises CellExecutionError at the first failing cell; cleanup_kc: the kernel is ours to stop (a
+    # client given a manager leaves its kernel, with its JAX programs, alive until the worker exits)
+    client.execute(env=kernel_env(), cleanup_kc=True)
     assert all(c.execution_count for c in code)
