@@ -67,12 +67,15 @@ def _route_kernel(router_ref, ids_ref, w_ref, *, k: int, renormalise: bool, E: i
     for _ in range(k):  # the maximum k times, each taken one masked out
         best = jnp.max(scores)
         i = jnp.min(jnp.where(scores == best, expert, E))
-        chosen.append((i, jnp.sum(jnp.where(expert == i, exps, 0.0))))
+        chosen.append((i, best))
         scores = jnp.where(expert == i, -jnp.inf, scores)
-    total = sum(e for _, e in chosen) if renormalise else jnp.sum(exps)
-    for t, (i, e) in enumerate(chosen):
+    if renormalise:  # the softmax of the chosen logits; exp(best - peak) is that expert's term of exps
+        terms = [jnp.exp(best - peak) for _, best in chosen]
+        total = sum(terms)
+        chosen = [(i, term / total) for (i, _), term in zip(chosen, terms)]
+    for t, (i, weight) in enumerate(chosen):  # unrenormalised, a chosen score is its probability
         ids_ref[n * slots + t] = i
-        w_ref[n * slots + t] = e / total
+        w_ref[n * slots + t] = weight
     if shared_at is not None:
         ids_ref[n * slots + k] = jnp.int32(E)
         w_ref[n * slots + k] = jax.nn.sigmoid(router_ref[n, shared_at].astype(jnp.float32))
